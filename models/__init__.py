@@ -1,0 +1,1 @@
+"""Transformer models in Flax NNX. Parameters carry logical axis names; no mesh code here."""

@@ -1,0 +1,207 @@
+"""Llama-style decoder: embedding, RMSNorm, RoPE, grouped-query attention, SwiGLU, output head.
+
+Legend: B batch, T sequence, D embed (d_model), N query heads, K kv heads, H head dim,
+F mlp hidden, V vocab, L layers.
+
+Every parameter carries logical axis names in its `out_sharding` metadata; the mapping to mesh
+axes lives in `sharding_rules/`. Layers are created stacked (a leading `layers` axis) and applied
+with `jax.lax.scan`, so compile time does not grow with depth.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import ATTENTION_IMPLS
+from spmd.logical import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+}
+
+# The only activations we constrain: the residual stream between layers and the logits.
+# Everything else the partitioner infers from the parameters.
+RESIDUAL_AXES = ("batch", "seq", "act_embed")
+LOGITS_AXES = ("batch", "seq", "act_vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    d_ff: int = 192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"  # compute dtype
+    param_dtype: str = "float32"  # parameters and optimizer state
+    remat: str = "none"  # none | full | save_dots
+    attention_impl: str = "xla"
+    init_std: float = 0.02
+
+    def check(self) -> list[str]:
+        """Problems with this config, as messages (empty when fine)."""
+        problems = []
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+            if getattr(self, key) < 1:
+                problems.append(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        for key in ("dtype", "param_dtype"):
+            if getattr(self, key) not in ("float32", "bfloat16", "float16"):
+                problems.append(f"model.{key} must be float32, bfloat16 or float16, got {getattr(self, key)!r}")
+        if self.remat not in REMAT_POLICIES:
+            problems.append(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            problems.append(
+                f"model.attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}"
+            )
+        return problems
+
+
+def _param(rngs, cfg, shape, logical, std=None):
+    init = nnx.initializers.normal(cfg.init_std if std is None else std)
+    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), out_sharding=logical)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale_D = nnx.Param(jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), out_sharding=("norm",))
+
+    def __call__(self, x_BTD):
+        x = x_BTD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale_D[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope(x_BTNH, positions_BT, theta: float):
+    """Rotary embedding, computed in fp32; pairs dimension i with i + H/2 (Llama layout)."""
+    half = x_BTNH.shape[-1] // 2
+    freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h
+    cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq_DNH = _param(rngs, cfg, (D, N, H), ("embed", "heads", "head_dim"))
+        self.wk_DKH = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
+        self.wv_DKH = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
+        # Output projection scaled down with depth (GPT-2 style) so the residual stays O(1).
+        self.wo_NHD = _param(rngs, cfg, (N, H, D), ("heads", "head_dim", "embed"),
+                             std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x_BTD, positions_BT):
+        dt = x_BTD.dtype
+        q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
+        k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk_DKH[...].astype(dt))
+        v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv_DKH[...].astype(dt))
+        q_BTNH = rope(q_BTNH, positions_BT, self.cfg.rope_theta)
+        k_BTKH = rope(k_BTKH, positions_BT, self.cfg.rope_theta)
+        out_BTNH = ATTENTION_IMPLS[self.cfg.attention_impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+        return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo_NHD[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_ff
+        self.w_gate_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
+        self.w_up_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
+        self.w_down_FD = _param(rngs, cfg, (F, D), ("mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x_BTD):
+        dt = x_BTD.dtype
+        gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate_DF[...].astype(dt))
+        up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up_DF[...].astype(dt))
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate_BTF) * up_BTF, self.w_down_FD[...].astype(dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class Decoder(nnx.Module):
+    ACTIVATION_AXES = {"activation residual_BTD": RESIDUAL_AXES, "activation logits_BTV": LOGITS_AXES}
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_VD = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=1.0)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs):
+            return Block(cfg, rngs=rngs)
+
+        self.layers = stacked_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head_DV = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens_BT):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(dt), RESIDUAL_AXES)
+        positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def layer(x_BTD, one_layer_state):
+            x_BTD = nnx.merge(graphdef, one_layer_state)(x_BTD, positions_BT)
+            return constrain(x_BTD, RESIDUAL_AXES), None
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x_BTD, _ = jax.lax.scan(layer, x_BTD, layer_state)
+
+        x_BTD = self.final_norm(x_BTD)
+        if cfg.tie_embeddings:
+            logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed_VD[...].astype(dt))
+        else:
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_DV[...].astype(dt))
+        return constrain(logits_BTV, LOGITS_AXES)
+
+
+def count_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                           cfg.vocab_size, cfg.n_layers)
+    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
+    n = L * per_layer + D + (0 if cfg.tie_embeddings else D * V)
+    return n + (V * D if include_embedding else 0)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params, plus attention (causal: half the score matrix).
+
+    The embedding lookup is a gather, not a matmul, so its parameters are not counted (a tied
+    table is counted once, as the output head).
+    """
+    matmul_params = count_params(cfg, include_embedding=False) + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+    # QK^T and PV: 2 matmuls x 2 FLOPs x T x N*H per token forward, x3 for forward+backward, /2 causal.
+    attention = 3 * 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers / 2
+    return 6 * matmul_params + attention

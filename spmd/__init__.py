@@ -1,0 +1,1 @@
+"""SPMD training stack: meshes, sharding rules, training loop, data and metrics."""

@@ -1,0 +1,169 @@
+"""Run configuration: frozen dataclasses, loaded from `configs/<name>.toml` plus `--set` overrides.
+
+A config file has up to three tables, `[model]`, `[train]` and `[data]`; keys it leaves out take
+the defaults below. `--set train.learning_rate=1e-3` overrides one key, parsed to the key's type.
+"""
+
+import dataclasses
+import pathlib
+import tomllib
+import typing
+
+from models.llama import ModelConfig
+from spmd.errors import UserError, closest
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seq_len: int = 64
+    global_batch_size: int = 8  # sequences per optimizer step, over all devices and microbatches
+    microbatches: int = 1  # gradient accumulation: the global batch is split into this many
+    steps: int = 100
+    learning_rate: float = 3e-3  # peak, reached after warmup; cosine decay to min_lr_ratio x peak
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1  # AdamW; not applied to norm scales
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50  # 0 disables eval
+    eval_batches: int = 4
+
+    def check(self) -> list[str]:
+        problems = []
+        for key in ("seq_len", "global_batch_size", "microbatches", "steps", "log_every", "eval_batches"):
+            if getattr(self, key) < 1:
+                problems.append(f"train.{key} must be positive, got {getattr(self, key)}")
+        if self.microbatches >= 1 and self.global_batch_size % self.microbatches:
+            problems.append(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"train.microbatches ({self.microbatches})"
+            )
+        for key in ("warmup_steps", "eval_every"):
+            if getattr(self, key) < 0:
+                problems.append(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.learning_rate <= 0:
+            problems.append(f"train.learning_rate must be positive, got {self.learning_rate}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            problems.append(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # "" = the embedded corpus (the Python standard library's source, as bytes)
+    format: str = "auto"  # auto | text | npy | bin  (auto: by suffix; a directory is text)
+    bin_dtype: str = "uint16"  # token dtype of a raw .bin file: uint16 | uint32
+    val_fraction: float = 0.02  # held-out share (by file for the embedded corpus, else the tail)
+    mask_token_id: int = -1  # targets equal to this id do not count in the loss; -1: none
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.format not in ("auto", "text", "npy", "bin"):
+            problems.append(f"data.format must be auto, text, npy or bin, got {self.format!r}")
+        if self.bin_dtype not in ("uint16", "uint32"):
+            problems.append(f"data.bin_dtype must be uint16 or uint32, got {self.bin_dtype!r}")
+        if not 0 < self.val_fraction < 1:
+            problems.append(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def _type_name(t) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
+
+
+def _coerce(key: str, value, t, source: str):
+    """Check (TOML value) or parse (string from --set) `value` as type `t`."""
+    if isinstance(value, str) and source == "--set" and t is not str:
+        text = value.strip()
+        try:
+            if t is bool:
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return text.lower() in ("true", "1")
+            return t(text)
+        except ValueError:
+            raise UserError(f"--set {key}={value}: expected {_type_name(t)}") from None
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not t:
+        raise UserError(f"{source}: {key} must be {_type_name(t)}, got {value!r}")
+    return value
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _set(tree: dict, key: str, value, source: str) -> None:
+    section, _, leaf = key.partition(".")
+    if section not in SECTIONS or not leaf:
+        every = [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)]
+        raise UserError(f"unknown config key {key!r} in {source}{closest(key, every)}")
+    types = _field_types(SECTIONS[section])
+    if leaf not in types:
+        raise UserError(f"unknown config key {key!r} in {source}{closest(key, [f'{section}.{k}' for k in types])}")
+    tree.setdefault(section, {})[leaf] = _coerce(key, value, types[leaf], source)
+
+
+def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """A preset name from configs/ or a path to a TOML file, then `key=value` overrides."""
+    path = pathlib.Path(name_or_path)
+    if not (path.suffix == ".toml" or path.exists()):
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+        if not path.exists():
+            raise UserError(
+                f"unknown config {name_or_path!r}{closest(name_or_path, presets())}; "
+                f"presets are {', '.join(presets())}, or pass a path to a .toml file"
+            )
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} not found")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    tree: dict[str, dict] = {}
+    for section, table in doc.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise UserError(f"unknown section {section!r} in config {str(path)!r}{closest(section, SECTIONS)}; "
+                            f"sections are [model], [train], [data]")
+        for leaf, value in table.items():
+            _set(tree, f"{section}.{leaf}", value, str(path))
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--set {item!r} must look like section.key=value, e.g. --set train.steps=50")
+        _set(tree, key.strip(), value, "--set")
+    cfg = Config(
+        name=path.stem if path.parent == CONFIG_DIR else str(path),
+        **{s: SECTIONS[s](**tree.get(s, {})) for s in SECTIONS},
+    )
+    problems = cfg.model.check() + cfg.train.check() + cfg.data.check()
+    if problems:
+        raise UserError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return cfg

@@ -1,0 +1,98 @@
+"""Device meshes from flags: `--mesh data=2,fsdp=2,tensor=2` and `--dcn-mesh data=2`.
+
+The axis vocabulary is fixed so that every rules file, checkpoint and log speaks the same names.
+Axes a flag does not name have size 1. Axes are `Auto` (GSPMD style): we annotate parameters and a
+few activations, and XLA's partitioner propagates the rest.
+"""
+
+import math
+
+import jax
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from spmd.errors import UserError, closest
+
+# Order matters: later axes are innermost, i.e. neighbouring devices. Tensor parallelism talks the
+# most per step, so it gets the fastest links; data parallelism the least.
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+
+
+def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:
+    """'data=2,fsdp=-1' -> {'data': 2, 'fsdp': -1, ...} with every axis present (default 1)."""
+    sizes = {axis: 1 for axis in MESH_AXES}
+    seen = set()
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq:
+            raise UserError(f"{flag} entry {part!r} must look like AXIS=SIZE, e.g. {flag} fsdp=8")
+        if name not in MESH_AXES:
+            raise UserError(
+                f"unknown mesh axis {name!r} in {flag}{closest(name, MESH_AXES)}; "
+                f"axes are {', '.join(MESH_AXES)}"
+            )
+        if name in seen:
+            raise UserError(f"mesh axis {name!r} appears twice in {flag} {spec!r}")
+        seen.add(name)
+        try:
+            size = int(value)
+        except ValueError:
+            raise UserError(f"{flag} size for {name!r} must be an integer, got {value!r}") from None
+        if size == 0 or size < -1:
+            raise UserError(f"{flag} size for {name!r} must be positive or -1 (fill), got {size}")
+        sizes[name] = size
+    if sum(1 for s in sizes.values() if s == -1) > 1:
+        raise UserError(f"at most one {flag} axis may be -1 (fill), got {spec!r}")
+    return sizes
+
+
+def resolve_sizes(sizes: dict[str, int], n_devices: int, flag: str = "--mesh") -> dict[str, int]:
+    """Fill a -1 axis and check that the product equals `n_devices`."""
+    known = math.prod(s for s in sizes.values() if s != -1)
+    fill = [a for a, s in sizes.items() if s == -1]
+    if fill:
+        if n_devices % known:
+            raise UserError(
+                f"{flag}: cannot fill {fill[0]!r}: {n_devices} devices do not divide by the "
+                f"other axes' product {known}"
+            )
+        sizes = {**sizes, fill[0]: n_devices // known}
+    product = math.prod(sizes.values())
+    if product != n_devices:
+        named = ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "(all 1)"
+        raise UserError(
+            f"{flag} {named} has {product} devices but {n_devices} are available; make the "
+            f"sizes multiply to {n_devices} (one size may be -1 to fill)"
+        )
+    return sizes
+
+
+def format_mesh(sizes: dict[str, int]) -> str:
+    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
+
+
+def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:
+    """A Mesh over all global devices with every axis of MESH_AXES (size 1 where unnamed).
+
+    Without `--dcn-mesh`, `--mesh` describes all global devices. With it, `--mesh` is the mesh
+    inside one process (standing in for a slice, ICI links) and `--dcn-mesh` multiplies it across
+    processes (DCN links): `--dcn-mesh data=2 --mesh fsdp=4` on 2 processes x 4 devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not dcn_mesh:
+        sizes = resolve_sizes(parse_mesh(mesh), len(devices))
+        shape = tuple(sizes[a] for a in MESH_AXES)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    else:
+        n_processes = len({d.process_index for d in devices})
+        dcn = resolve_sizes(parse_mesh(dcn_mesh, "--dcn-mesh"), n_processes, "--dcn-mesh")
+        ici = resolve_sizes(parse_mesh(mesh), len(devices) // n_processes, "--mesh")
+        grid = mesh_utils.create_hybrid_device_mesh(
+            [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices=devices
+        )
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    return dict(mesh.shape)

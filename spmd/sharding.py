@@ -1,0 +1,191 @@
+"""From a model's logical axis names and a rules file to concrete shardings, checks and a table."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models.llama import Decoder
+from spmd import rules as rules_lib
+
+# Share of parameter bytes that may stay replicated on a multi-device mesh before we warn.
+REPLICATED_WARN_FRACTION = 0.02
+
+
+def abstract_model(model_cfg, seed: int = 0):
+    """(graphdef, abstract params State) without allocating anything."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(seed)))
+    return nnx.split(model, nnx.Param)
+
+
+def init_params(model_cfg, seed: int):
+    """Real parameters as a pure dict; call under jit with out_shardings so each device makes only its shards."""
+    with nnx.use_eager_sharding(False):
+        model = Decoder(model_cfg, rngs=nnx.Rngs(seed))
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    path: str
+    logical: tuple[str | None, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    spec: PartitionSpec
+    local_shape: tuple[int, ...]
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.local_shape) * self.dtype.itemsize
+
+    @property
+    def bytes_total(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class ShardingPlan:
+    mesh: jax.sharding.Mesh
+    rules: rules_lib.Rules
+    graphdef: nnx.GraphDef
+    abstract_params: dict  # pure dict of ShapeDtypeStruct (with shardings)
+    params: list[ParamInfo]
+    param_shardings: dict  # pure dict of NamedSharding, same structure as the params
+    batch_sharding: NamedSharding  # (batch, seq) token arrays
+    replicated: NamedSharding
+
+    @property
+    def param_bytes_per_device(self) -> int:
+        return sum(p.bytes_per_device for p in self.params)
+
+    @property
+    def param_bytes_total(self) -> int:
+        return sum(p.bytes_total for p in self.params)
+
+    def replicated_fraction(self) -> float:
+        """Share of parameter bytes held whole by every device (no mesh axis of size > 1)."""
+        sizes = dict(self.mesh.shape)
+
+        def sharded(p):
+            return any(sizes[a] > 1 for e in p.spec if e for a in ((e,) if isinstance(e, str) else e))
+
+        whole = sum(p.bytes_total for p in self.params if not sharded(p))
+        return whole / max(1, self.param_bytes_total)
+
+    def replication_warning(self) -> str | None:
+        if self.mesh.size == 1 or self.rules.replicated_params_ok:
+            return None
+        frac = self.replicated_fraction()
+        if frac <= REPLICATED_WARN_FRACTION:
+            return None
+        return (
+            f"warning: {frac:.0%} of parameter bytes stay replicated on every one of the "
+            f"{self.mesh.size} devices under rules {self.rules.name!r}; check that the rules map "
+            f"the model's large axes (e.g. embed, mlp, vocab) to mesh axes of size > 1"
+        )
+
+
+def _local_shape(shape, spec, sizes) -> tuple[int, ...]:
+    out = []
+    for i, size in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        axes = () if not entry else (entry,) if isinstance(entry, str) else entry
+        out.append(size // math.prod(sizes[a] for a in axes))
+    return tuple(out)
+
+
+def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_len: int,
+         microbatches: int = 1) -> ShardingPlan:
+    """Validate the rules against the model and mesh, and resolve every sharding."""
+    graphdef, abstract = abstract_model(model_cfg)
+    sizes = dict(mesh.shape)
+    flat = [(path_str(path), var) for path, var in nnx.to_flat_state(abstract)]
+    specs = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
+    shapes = {p: tuple(v.shape) for p, v in flat}
+    batch_logical = ("batch", "seq")
+    act_specs = dict(Decoder.ACTIVATION_AXES)
+    act_specs["batch tokens"] = batch_logical
+    micro = global_batch_size // microbatches
+    act_shapes = {"batch tokens": (micro, seq_len)}
+    rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
+
+    infos = []
+    for p, v in flat:
+        spec = rules.spec(specs[p])
+        infos.append(ParamInfo(p, specs[p], shapes[p], np.dtype(v.dtype), spec, _local_shape(shapes[p], spec, sizes)))
+    by_path = {i.path: i for i in infos}
+
+    def sharding_for(path, _):
+        return NamedSharding(mesh, by_path[path_str(path)].spec)
+
+    pure = nnx.to_pure_dict(abstract)
+    param_shardings = jax.tree_util.tree_map_with_path(sharding_for, pure)
+    abstract_params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(path, x)), pure
+    )
+    return ShardingPlan(
+        mesh=mesh, rules=rules, graphdef=graphdef, abstract_params=abstract_params, params=infos,
+        param_shardings=param_shardings, batch_sharding=rules.sharding(mesh, batch_logical),
+        replicated=NamedSharding(mesh, PartitionSpec()),
+    )
+
+
+def tree_bytes_per_device(abstract_tree) -> int:
+    """Bytes each device holds of a tree of ShapeDtypeStructs with shardings (the most loaded device)."""
+    total = 0
+    for x in jax.tree.leaves(abstract_tree):
+        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_spec(spec: PartitionSpec) -> str:
+    parts = []
+    for e in spec:
+        parts.append("-" if not e else e if isinstance(e, str) else "(" + ",".join(e) + ")")
+    return "P(" + ", ".join(parts) + ")"
+
+
+def sharding_table(p: ShardingPlan, opt_state_abstract=None) -> str:
+    """Every parameter's logical axes, PartitionSpec, global and per-device shape and bytes; totals."""
+    rows = [("parameter", "logical axes", "spec", "global shape", "per-device shape", "bytes/device")]
+    for i in p.params:
+        rows.append((
+            i.path, "(" + ", ".join(n or "-" for n in i.logical) + ")", format_spec(i.spec),
+            "x".join(map(str, i.shape)), "x".join(map(str, i.local_shape)), fmt_bytes(i.bytes_per_device),
+        ))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if c < 5 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    mesh_desc = ",".join(f"{a}={s}" for a, s in p.mesh.shape.items() if s > 1) or "single device"
+    lines.append("")
+    lines.append(f"mesh: {mesh_desc} ({p.mesh.size} devices); rules: {p.rules.name}")
+    lines.append(f"parameters: {sum(math.prod(i.shape) for i in p.params):,} "
+                 f"({fmt_bytes(p.param_bytes_total)} in all)")
+    lines.append(f"per device: params {fmt_bytes(p.param_bytes_per_device)}"
+                 + (f", optimizer state {fmt_bytes(tree_bytes_per_device(opt_state_abstract))}"
+                    f", total {fmt_bytes(p.param_bytes_per_device + tree_bytes_per_device(opt_state_abstract))}"
+                    if opt_state_abstract is not None else ""))
+    lines.append(f"replicated share of parameter bytes: {p.replicated_fraction():.1%}")
+    warning = p.replication_warning()
+    if warning:
+        lines.append(warning)
+    return "\n".join(lines)

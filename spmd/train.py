@@ -1,0 +1,166 @@
+"""Train state, the jitted train and eval steps, and the Trainer that ties them to a mesh.
+
+The train state is a plain pytree `{"params", "opt_state", "step"}` whose shardings come from the
+rules. The step takes and returns it with those shardings and donates the old one.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd import sharding as sharding_lib
+from spmd.logical import activation_sharding
+
+Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32}
+
+
+def lr_schedule(train_cfg) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=train_cfg.learning_rate,
+        warmup_steps=train_cfg.warmup_steps,
+        decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
+        end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(train_cfg, decay_mask) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine, global-norm clipping, and no decay where `decay_mask` is False."""
+    adamw = optax.adamw(
+        lr_schedule(train_cfg), b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
+        weight_decay=train_cfg.weight_decay, mask=decay_mask,
+    )
+    if train_cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adamw)
+    return adamw
+
+
+def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
+    """True for parameters that get weight decay: everything but norm scales."""
+    by_path = {i.path: i for i in plan.params}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "norm" not in by_path[sharding_lib.path_str(path)].logical, plan.abstract_params
+    )
+
+
+def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int):
+    """Sums over the batch's counted tokens: (cross-entropy + z-loss, cross-entropy, z-loss, count)."""
+    logits_BTV = nnx.merge(graphdef, params)(batch["inputs"]).astype(jnp.float32)
+    targets_BT = batch["targets"]
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
+    mask_BT = mask_BT.astype(jnp.float32)
+    ce_sum = jnp.sum(ce_BT * mask_BT)
+    z_sum = jnp.zeros((), jnp.float32)
+    if z_loss:
+        z_sum = z_loss * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1)) * mask_BT)
+    return ce_sum + z_sum, (ce_sum, z_sum, jnp.sum(mask_BT))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything needed to run jitted steps of one config on one mesh."""
+
+    cfg: object  # spmd.config.Config
+    plan: sharding_lib.ShardingPlan
+    tx: optax.GradientTransformation
+    state_shardings: dict
+    train_step: object  # jitted (state, batch) -> (state, metrics)
+    eval_step: object  # jitted (params, batch) -> (ce_sum, count)
+    init_state: object  # jitted () -> state
+
+    @property
+    def abstract_state(self):
+        return jax.eval_shape(self.init_state)
+
+
+def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
+    mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
+    tcfg = cfg.train
+    tx = make_optimizer(tcfg, decay_mask(plan))
+    schedule = lr_schedule(tcfg)
+
+    opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, sh: sh, opt_shapes, plan.param_shardings,
+        transform_non_params=lambda _: plan.replicated,
+    )
+    state_shardings = {"params": plan.param_shardings, "opt_state": opt_shardings, "step": plan.replicated}
+
+    def init():
+        params = sharding_lib.init_params(cfg.model, tcfg.seed)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    losses = jax.value_and_grad(
+        lambda params, batch: token_losses(graphdef, params, batch, z_loss=tcfg.z_loss,
+                                           mask_token_id=cfg.data.mask_token_id),
+        has_aux=True,
+    )
+    k = tcfg.microbatches
+    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
+
+    def grads_and_sums(params, batch: Batch):
+        if k == 1:
+            (_, sums), grads = losses(params, batch)
+            return grads, sums
+
+        # Microbatch i takes rows i, i+k, i+2k, ...: the reshape keeps each device's rows on that
+        # device, so splitting the batch moves no data.
+        def split(x_BT):
+            B, T = x_BT.shape
+            x_kbT = x_BT.reshape(B // k, k, T).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x_kbT, micro_sharding)
+
+        def accumulate(carry, microbatch):
+            grads_acc, sums_acc = carry
+            (_, sums), grads = losses(params, microbatch)
+            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros((), jnp.float32),) * 3)
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+        return grads, sums
+
+    def train_step(state, batch: Batch):
+        with activation_sharding(rules, mesh):
+            grads, (ce_sum, z_sum, count) = grads_and_sums(state["params"], batch)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {
+            "loss": ce_sum / count,
+            "z_loss": z_sum / count,
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": schedule(state["step"]),
+            "tokens": count,
+        }
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def eval_step(params, batch: Batch):
+        with activation_sharding(rules, mesh):
+            _, (ce_sum, _, count) = token_losses(graphdef, params, batch, z_loss=0.0,
+                                                 mask_token_id=cfg.data.mask_token_id)
+        return ce_sum, count
+
+    batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+    return Trainer(
+        cfg=cfg, plan=plan, tx=tx, state_shardings=state_shardings,
+        train_step=jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+                           out_shardings=(state_shardings, plan.replicated), donate_argnums=0),
+        eval_step=jax.jit(eval_step, in_shardings=(plan.param_shardings, batch_shardings),
+                          out_shardings=plan.replicated),
+        init_state=jax.jit(init, out_shardings=state_shardings),
+    )
+
+
+def evaluate(trainer: Trainer, params, batches) -> float:
+    """Mean held-out cross-entropy per counted token over `eval_batches` fixed batches."""
+    total, count = 0.0, 0.0
+    for i in range(trainer.cfg.train.eval_batches):
+        ce_sum, n = trainer.eval_step(params, batches.eval_batch(i))
+        total, count = total + float(ce_sum), count + float(n)
+    return total / max(count, 1.0)
