@@ -19,7 +19,7 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
     if causal:
         S = k_BSKH.shape[1]
         mask_TS = jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]
-        logits_BKGTS = jnp.where(mask_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
+        logits_BKGTS = jnp.where(mask_TS[None, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
     return out_BTKGH.reshape(B, T, N, H)

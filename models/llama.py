@@ -84,14 +84,15 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BTD):
         x = x_BTD.astype(jnp.float32)
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale_D[...].astype(jnp.float32)).astype(x_BTD.dtype)
+        scale = self.scale_D[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (y * scale).astype(x_BTD.dtype)
 
 
 def rope(x_BTNH, positions_BT, theta: float):
     """Rotary embedding, computed in fp32; pairs dimension i with i + H/2 (Llama layout)."""
     half = x_BTNH.shape[-1] // 2
     freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h[None, None, :]
     cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)

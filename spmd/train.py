@@ -134,7 +134,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         metrics = {
             "loss": ce_sum / count,
             "z_loss": z_sum / count,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(state["step"]),
             "tokens": count,
         }

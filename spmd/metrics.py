@@ -1,0 +1,108 @@
+"""Peak FLOP/s for MFU, and the run's metric sinks: metrics.jsonl, TensorBoard, a loss-curve PNG."""
+
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from spmd.data import cache_dir
+
+# Dense bf16 peak per device (FLOP/s) from vendor datasheets, for accelerators we know.
+PEAK_FLOPS_TABLE = {
+    "H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+}
+
+MATMUL_N = 2048
+
+
+def measure_matmul_flops(dtype: str, n: int = MATMUL_N, reps: int = 7) -> float:
+    """Median FLOP/s of an n x n matmul on device 0 of the default backend."""
+    x = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), jax.devices()[0])
+    f = jax.jit(lambda a, b: a @ b)
+    f(x, x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x, x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def peak_flops(dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of the whole job, how it was obtained).
+
+    On CPU the fake devices share the host's cores, so one host's measured matmul rate is the peak
+    of all its devices together; it is measured once per host kind and dtype and cached.
+    """
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        for name, flops in PEAK_FLOPS_TABLE.items():
+            if name.lower() in device.device_kind.lower():
+                return flops * jax.device_count(), f"table: {name} {flops / 1e12:.0f} TFLOP/s/device x {jax.device_count()}"
+    key = f"{device.platform}|{device.device_kind}|{dtype}|{os.cpu_count()}|jax {jax.__version__}"
+    path = cache_dir() / "peak_flops.json"
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    if key not in cached:
+        cached[key] = measure_matmul_flops(dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+        how = "measured now"
+    else:
+        how = "measured earlier, cached"
+    per_host = cached[key]
+    return per_host * jax.process_count(), (
+        f"{how}: {MATMUL_N}x{MATMUL_N} {dtype} matmul on {device.platform} = {per_host / 1e9:.1f} GFLOP/s per host"
+    )
+
+
+class MetricsWriter:
+    """Writes each logged step to metrics.jsonl and TensorBoard; draws loss.png at the end."""
+
+    def __init__(self, run_dir: pathlib.Path):
+        from tensorboardX import SummaryWriter
+
+        self.run_dir = run_dir
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.history: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.history.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+        self.plot()
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+        evals = [(r["step"], r["eval_loss"]) for r in self.history if "eval_loss" in r]
+        if train:
+            ax.plot(*zip(*train), label="train loss")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.run_dir / "loss.png", dpi=100)
+        plt.close(fig)

@@ -1,0 +1,59 @@
+"""Strict JAX on 8 fake CPU devices, set before JAX initialises."""
+
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    assert len(devs) == 8, "tests expect 8 fake CPU devices"
+    return devs
+
+
+def run_training(cfg, mesh_spec: str, rules_name: str, steps: int, devices=None):
+    """Train `steps` steps in-process; return (losses, params as host numpy, trainer)."""
+    from spmd import sharding as sharding_lib
+    from spmd.data import make_batches
+    from spmd.mesh import build_mesh
+    from spmd.rules import load_rules
+    from spmd.train import build_trainer
+
+    mesh = build_mesh(mesh_spec, devices=devices)
+    plan = sharding_lib.plan(cfg.model, mesh, load_rules(rules_name), cfg.train.global_batch_size,
+                             cfg.train.seq_len, cfg.train.microbatches)
+    trainer = build_trainer(cfg, plan)
+    batches = make_batches(cfg, plan.batch_sharding)
+    state = trainer.init_state()
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, batches.train_batch(step))
+        losses.append(float(metrics["loss"]))
+    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
+    return np.array(losses), params, trainer
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from spmd.config import load_config
+
+    return load_config("tiny")
+
+
+@pytest.fixture(scope="session")
+def single_device_run(tiny_cfg):
+    """10 steps of `tiny` on one device: the reference every parallel layout must match."""
+    return run_training(tiny_cfg, "", "dp", 10, devices=jax.devices()[:1])

@@ -1,0 +1,26 @@
+"""Every preset on 8 devices trains `tiny` exactly like one device (fp32)."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import run_training
+
+LAYOUTS = [
+    ("dp", "data=8"),
+    ("fsdp", "fsdp=8"),
+    ("tp", "data=4,tensor=2"),
+    ("fsdp_tp", "fsdp=4,tensor=2"),
+    ("fsdp_tp", "data=2,fsdp=2,tensor=2"),
+]
+
+
+@pytest.mark.parametrize("rules,mesh", LAYOUTS, ids=[f"{r}-{m}" for r, m in LAYOUTS])
+def test_matches_single_device(tiny_cfg, single_device_run, devices, rules, mesh):
+    ref_losses, ref_params, _ = single_device_run
+    losses, params, trainer = run_training(tiny_cfg, mesh, rules, 10)
+    assert trainer.plan.mesh.size == 8
+    assert losses[-1] < losses[0] - 0.5, "tiny should learn within 10 steps"
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
