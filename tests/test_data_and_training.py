@@ -1,0 +1,100 @@
+"""Data position as a pure function of (seed, step, global batch); accumulation; masking; z-loss."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from conftest import run_training
+from spmd.config import load_config
+from spmd.data import make_batches, stdlib_corpus
+from spmd.errors import UserError
+from spmd.mesh import build_mesh
+
+
+def _batches(cfg, mesh_spec="data=8"):
+    mesh = build_mesh(mesh_spec)
+    return make_batches(cfg, NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None)))
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(tiny_cfg, devices):
+    a, b = _batches(tiny_cfg), _batches(tiny_cfg, "fsdp=8")
+    for step in (0, 7, 123456):
+        np.testing.assert_array_equal(a.global_numpy_batch(step), b.global_numpy_batch(step))
+        got = a.train_batch(step)
+        np.testing.assert_array_equal(np.asarray(got["inputs"]), a.global_numpy_batch(step)[:, :-1])
+        np.testing.assert_array_equal(np.asarray(got["targets"]), a.global_numpy_batch(step)[:, 1:])
+    other = _batches(dataclasses.replace(tiny_cfg, train=dataclasses.replace(tiny_cfg.train, seed=1)))
+    assert not np.array_equal(a.global_numpy_batch(0), other.global_numpy_batch(0))
+    assert not np.array_equal(a.global_numpy_batch(0), a.global_numpy_batch(1))
+
+
+def test_every_window_once_per_epoch(devices, tmp_path):
+    path = tmp_path / "d.npy"
+    np.save(path, np.arange(1000, dtype=np.uint16))
+    cfg = load_config("tiny", [f"data.path={path}", "train.seq_len=16", "model.vocab_size=1000"])
+    b = _batches(cfg)
+    n = b.n_train_windows
+    starts = [int(w[0]) for s in range(n // 8) for w in b.global_numpy_batch(s)]
+    assert len(set(starts)) == len(starts) == n // 8 * 8
+    assert all(x % 16 == 0 for x in starts)
+
+
+def test_held_out_split_is_disjoint_and_cached():
+    train, val = stdlib_corpus(0.02)
+    assert stdlib_corpus(0.02) == (train, val)
+    t, v = np.load(train, mmap_mode="r"), np.load(val, mmap_mode="r")
+    assert 0.005 < len(v) / (len(t) + len(v)) < 0.05
+    assert bytes(v[:20000]) not in bytes(t)
+
+
+def test_text_and_bin_user_data(devices, tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 300)
+    cfg = load_config("tiny", [f"data.path={tmp_path / 'a.txt'}", "train.seq_len=32"])
+    batch = _batches(cfg).global_numpy_batch(0)
+    assert bytes(batch[0].astype(np.uint8)).decode() in ("hello world\n" * 300)
+    (tmp_path / "t.bin").write_bytes(np.arange(5000, dtype=np.uint32).tobytes())
+    with pytest.raises(UserError, match="token id 4999 but model.vocab_size is 256"):
+        _batches(load_config("tiny", [f"data.path={tmp_path / 't.bin'}", "data.bin_dtype=uint32"]))
+    cfg = load_config("tiny", [f"data.path={tmp_path / 't.bin'}", "data.bin_dtype=uint32", "model.vocab_size=5000",
+                               "train.seq_len=16"])
+    w = _batches(cfg).global_numpy_batch(0)[0]
+    np.testing.assert_array_equal(np.diff(w), 1)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, devices):
+    cfg4 = load_config("tiny", ["train.microbatches=4", "train.global_batch_size=32"])
+    cfg1 = load_config("tiny", ["train.microbatches=1", "train.global_batch_size=32"])
+    l4, p4, _ = run_training(cfg4, "fsdp=4,data=2", "fsdp", 3)
+    l1, p1, _ = run_training(cfg1, "fsdp=4,data=2", "fsdp", 3)
+    np.testing.assert_allclose(l4, l1, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p4, p1)
+
+
+def _one_step_metrics(cfg):
+    from spmd import sharding as sharding_lib
+    from spmd.rules import load_rules
+    from spmd.train import build_trainer
+
+    mesh = build_mesh("", devices=jax.devices()[:1])
+    plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), cfg.train.global_batch_size, cfg.train.seq_len)
+    trainer = build_trainer(cfg, plan)
+    batch = make_batches(cfg, plan.batch_sharding).train_batch(0)
+    state = trainer.init_state()
+    logits = jax.jit(lambda p, x: __import__("flax").nnx.merge(plan.graphdef, p)(x))(state["params"], batch["inputs"])
+    _, metrics = trainer.train_step(state, batch)
+    return np.asarray(logits, np.float64), np.asarray(batch["targets"]), jax.device_get(metrics)
+
+
+def test_loss_masking_and_z_loss(devices):
+    space = ord(" ")
+    logits, targets, m = _one_step_metrics(load_config("tiny", [f"data.mask_token_id={space}", "train.z_loss=1e-3"]))
+    lse = np.log(np.exp(logits).sum(-1))
+    ce = lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    keep = targets != space
+    assert 0 < keep.sum() < keep.size  # the masked id really occurs
+    np.testing.assert_allclose(m["tokens"], keep.sum())
+    np.testing.assert_allclose(m["loss"], ce[keep].mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["z_loss"], 1e-3 * (lse[keep] ** 2).mean(), rtol=1e-5)

@@ -1,0 +1,102 @@
+"""Mesh flags, rules files and config loading: the happy paths and each way they can be wrong."""
+
+import pytest
+
+from spmd.config import load_config
+from spmd.errors import UserError
+from spmd.mesh import MESH_AXES, build_mesh, parse_mesh
+from spmd.rules import load_rules, presets, validate
+
+
+def test_mesh_fill_and_defaults(devices):
+    mesh = build_mesh("data=2,fsdp=-1,tensor=2")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
+    assert mesh.axis_names == MESH_AXES
+    assert all(t.name == "Auto" for t in mesh.axis_types)
+    assert dict(build_mesh("", devices=devices[:1]).shape) == dict.fromkeys(MESH_AXES, 1)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("data=4", "has 4 devices but 8 are available"),
+    ("dta=8", "unknown mesh axis 'dta' in --mesh (did you mean 'data'?)"),
+    ("data=-1,fsdp=-1", "at most one --mesh axis may be -1"),
+    ("data=3,fsdp=-1", "cannot fill 'fsdp'"),
+    ("data", "must look like AXIS=SIZE"),
+    ("data=x", "must be an integer"),
+    ("data=0", "must be positive or -1"),
+    ("data=2,data=4", "appears twice"),
+])
+def test_bad_mesh(devices, spec, message):
+    with pytest.raises(UserError, match=None) as e:
+        build_mesh(spec)
+    assert message in str(e.value)
+
+
+def test_dcn_mesh_is_validated_against_process_count(devices):
+    assert parse_mesh("data=2", "--dcn-mesh")["data"] == 2
+    with pytest.raises(UserError, match="--dcn-mesh data=2 has 2 devices but 1 are available"):
+        build_mesh("fsdp=4", "data=2")
+    with pytest.raises(UserError, match="unknown mesh axis 'pipe' in --dcn-mesh"):
+        build_mesh("fsdp=8", "pipe=1")
+
+
+def test_presets_exist_and_map_every_name():
+    assert {"dp", "fsdp", "tp", "fsdp_tp"} <= set(presets())
+    for name in presets():
+        assert load_rules(name).description
+
+
+def _rules_file(tmp_path, body):
+    path = tmp_path / "r.toml"
+    path.write_text(body)
+    return str(path)
+
+
+def test_rules_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown rules preset 'fsdpp'.*did you mean 'fsdp'"):
+        load_rules("fsdpp")
+    with pytest.raises(UserError, match="unknown logical axis 'embd'.*did you mean 'embed'"):
+        load_rules(_rules_file(tmp_path, '[rules]\nembd = "fsdp"\n'))
+    with pytest.raises(UserError, match="unknown mesh axis 'fsd'.*did you mean 'fsdp'"):
+        load_rules(_rules_file(tmp_path, '[rules]\nembed = "fsd"\n'))
+    with pytest.raises(UserError, match="lists a mesh axis twice"):
+        load_rules(_rules_file(tmp_path, '[rules]\nbatch = ["data", "data"]\n'))
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_rules(_rules_file(tmp_path, "[rules\n"))
+
+
+def test_validate_names_duplicates_and_divisibility():
+    rules = load_rules("fsdp_tp")
+    sizes = dict.fromkeys(MESH_AXES, 1) | {"fsdp": 2, "tensor": 4}
+    with pytest.raises(UserError, match="do not map logical axis 'mystery'"):
+        validate(rules, {"w": ("embed", "mystery")}, sizes)
+    with pytest.raises(UserError, match="use mesh axis 'fsdp' twice for w"):
+        validate(rules, {"w": ("embed", "batch")}, sizes)
+    with pytest.raises(UserError, match=r"w: dimension 1 \(mlp, size 6\) does not divide by mesh axes tensor=4 = 4"):
+        validate(rules, {"w": ("embed", "mlp")}, sizes, {"w": (8, 6)})
+    validate(rules, {"w": ("embed", "mlp")}, sizes, {"w": (8, 12)})
+
+
+def test_config_overrides_and_errors():
+    cfg = load_config("tiny", ["train.steps=7", "model.tie_embeddings=true", "train.learning_rate=1e-3"])
+    assert (cfg.train.steps, cfg.model.tie_embeddings, cfg.train.learning_rate) == (7, True, 1e-3)
+    with pytest.raises(UserError, match="unknown config key 'train.stpes'.*did you mean 'train.steps'"):
+        load_config("tiny", ["train.stpes=3"])
+    with pytest.raises(UserError, match="--set train.steps=ten: expected an integer"):
+        load_config("tiny", ["train.steps=ten"])
+    with pytest.raises(UserError, match="--set model.tie_embeddings=maybe: expected true or false"):
+        load_config("tiny", ["model.tie_embeddings=maybe"])
+    with pytest.raises(UserError, match="unknown config 'tinny'.*did you mean 'tiny'"):
+        load_config("tinny")
+    with pytest.raises(UserError, match="must be a multiple of train.microbatches"):
+        load_config("tiny", ["train.microbatches=3"])
+
+
+def test_config_file_type_errors(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = "many"\n')
+    with pytest.raises(UserError, match="train.steps must be an integer"):
+        load_config(str(path))
+    path.write_text('[optim]\nlr = 1\n')
+    with pytest.raises(UserError, match="unknown section 'optim'"):
+        load_config(str(path))
