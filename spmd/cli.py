@@ -212,7 +212,7 @@ def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, pe
                     f"step {done:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.2e}  "
                     f"grad_norm {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s  MFU {record['mfu']:.1%}"
                     + (f"  eval_loss {record['eval_loss']:.4f}" if is_eval else ""),
-                    highlight=False,
+                    highlight=False, soft_wrap=True,
                 )
             # Eval time is not training time.
             t_last, steps_since = time.perf_counter(), 0
