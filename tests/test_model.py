@@ -89,3 +89,10 @@ def test_flops_per_token_formula():
     D, L, V, F = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.d_ff
     matmul = L * (2 * D * 4 * 16 + 2 * D * 2 * 16 + 3 * D * F + 2 * D) + D + D * V
     assert flops_per_token(cfg, 64) == 6 * matmul + 6 * L * 64 * 4 * 16
+
+
+def test_scan_unroll_changes_nothing_numerically():
+    params = jax.jit(lambda: init_params(CFG, 0))()
+    tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
+    np.testing.assert_allclose(apply(CFG, params, tokens), apply(dataclasses.replace(CFG, scan_unroll=2), params, tokens),
+                               rtol=1e-5, atol=1e-6)

@@ -1,0 +1,139 @@
+"""Training throughput of `small`: 1 device and 8 simulated devices under each preset, the measured
+matmul peak, and the ratio to a PyTorch eager implementation of the same model and batch.
+
+    python scripts/bench_train.py [--steps 20] [--torch-python .venv-torch/bin/python]
+
+Every configuration runs in its own process (the simulated device count is fixed at JAX start-up);
+tokens/s come from the median step time after warm-up. Prints a Markdown table.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CASES = [  # (label, devices, mesh, rules, extra --set)
+    ("1 device", 1, "", "dp", []),
+    ("1 device, bf16 compute", 1, "", "dp", ["model.dtype=bfloat16"]),
+    ("8 dev dp", 8, "data=8", "dp", []),
+    ("8 dev fsdp", 8, "fsdp=8", "fsdp", []),
+    ("8 dev tp", 8, "data=4,tensor=2", "tp", []),
+    ("8 dev fsdp_tp", 8, "fsdp=4,tensor=2", "fsdp_tp", []),
+    ("8 dev data x fsdp x tensor", 8, "data=2,fsdp=2,tensor=2", "fsdp_tp", []),
+]
+
+
+def worker(args) -> None:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    from models.llama import flops_per_token
+    from spmd import sharding as sharding_lib
+    from spmd.config import load_config
+    from spmd.data import make_batches
+    from spmd.mesh import build_mesh
+    from spmd.metrics import peak_flops
+    from spmd.rules import load_rules
+    from spmd.train import build_trainer
+
+    cfg = load_config(args.config, args.set)
+    mesh = build_mesh(args.mesh)
+    plan = sharding_lib.plan(cfg.model, mesh, load_rules(args.rules), cfg.train.global_batch_size, cfg.train.seq_len)
+    trainer = build_trainer(cfg, plan)
+    batches = make_batches(cfg, plan.batch_sharding)
+    state = trainer.init_state()
+    step_fn = trainer.train_step.lower(state, batches.train_batch(0)).compile()
+    times = []
+    for step in range(args.warmup + args.steps):
+        batch = batches.train_batch(step)
+        t = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        jax.block_until_ready(state)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t)
+    step_time = statistics.median(times)
+    tok_s = cfg.train.global_batch_size * cfg.train.seq_len / step_time
+    peak, _ = peak_flops(cfg.model.dtype)
+    print(json.dumps({"tokens_per_sec": tok_s, "step_time": step_time,
+                      "mfu": tok_s * flops_per_token(cfg.model, cfg.train.seq_len) / peak,
+                      "loss": float(metrics["loss"])}))
+
+
+def run_json(cmd) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"error: benchmark process failed: {' '.join(cmd)}\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="small")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--torch-python", default=str(ROOT / ".venv-torch" / "bin" / "python"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--mesh", default="", help=argparse.SUPPRESS)
+    p.add_argument("--rules", default="dp", help=argparse.SUPPRESS)
+    p.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from models.llama import count_params
+    from spmd.config import load_config
+    from spmd.metrics import MATMUL_N, measure_matmul_flops
+
+    cfg = load_config(args.config)
+    m = cfg.model
+    peaks = {dt: measure_matmul_flops(dt) for dt in ("float32", "bfloat16")}
+    rows = []
+    for label, devices, mesh, rules, sets in CASES:
+        cmd = [sys.executable, __file__, "--worker", "--config", args.config, "--devices", str(devices),
+               "--mesh", mesh, "--rules", rules, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        for s in sets:
+            cmd += ["--set", s]
+        r = run_json(cmd)
+        rows.append((label, r))
+        print(f"  {label}: {r['tokens_per_sec']:,.0f} tok/s", file=sys.stderr, flush=True)
+    torch_row = None
+    if os.path.exists(args.torch_python):
+        torch_row = run_json([args.torch_python, str(ROOT / "scripts" / "bench_torch.py"),
+                              "--vocab-size", str(m.vocab_size), "--d-model", str(m.d_model),
+                              "--n-layers", str(m.n_layers), "--n-heads", str(m.n_heads),
+                              "--n-kv-heads", str(m.n_kv_heads), "--head-dim", str(m.head_dim),
+                              "--d-ff", str(m.d_ff), "--batch", str(cfg.train.global_batch_size),
+                              "--seq-len", str(cfg.train.seq_len), "--steps", str(args.steps),
+                              "--warmup", str(args.warmup), "--rope-theta", str(m.rope_theta)])
+
+    print(f"\n`{args.config}`: {count_params(m):,} params, batch {cfg.train.global_batch_size} x "
+          f"{cfg.train.seq_len} tokens, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
+          f"median of {args.steps} steps after {args.warmup} warm-up\n")
+    print(f"Measured matmul peak ({MATMUL_N}x{MATMUL_N}): float32 {peaks['float32'] / 1e9:,.1f} GFLOP/s, "
+          f"bfloat16 {peaks['bfloat16'] / 1e9:,.1f} GFLOP/s\n")
+    print("| run | tokens/s | step (ms) | MFU (vs matmul peak of its dtype) | vs PyTorch eager |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in rows:
+        ratio = f"{r['tokens_per_sec'] / torch_row['tokens_per_sec']:.2f}x" if torch_row else "n/a"
+        print(f"| {label} | {r['tokens_per_sec']:,.0f} | {r['step_time'] * 1e3:.1f} | {r['mfu']:.1%} | {ratio} |")
+    if torch_row:
+        print(f"| PyTorch {torch_row['torch']} eager, fp32, {torch_row['threads']} threads | "
+              f"{torch_row['tokens_per_sec']:,.0f} | {torch_row['step_time'] * 1e3:.1f} | | 1.00x |")
+    else:
+        print(f"\n(no PyTorch baseline: {args.torch_python} not found; see docs/performance.md)")
+
+
+if __name__ == "__main__":
+    main()
