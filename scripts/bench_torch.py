@@ -80,6 +80,8 @@ def main():
                           ("steps", 20), ("warmup", 3), ("threads", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype; bfloat16 runs the forward under CPU autocast (params stay fp32)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -90,8 +92,9 @@ def main():
     times = []
     for i in range(a.warmup + a.steps):
         t = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, a.vocab_size), tokens[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bfloat16"):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, a.vocab_size), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -99,7 +102,11 @@ def main():
         if i >= a.warmup:
             times.append(time.perf_counter() - t)
     step = statistics.median(times)
+    n = sum(p.numel() for p in model.parameters())
+    matmul_params = n - a.vocab_size * a.d_model  # the lookup table is no matmul; norms counted as in JAX
+    flops = 6 * matmul_params + 6 * a.n_layers * a.seq_len * a.n_heads * a.head_dim  # as models.llama.flops_per_token
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "step_time": step,
+                      "dtype": a.dtype, "flops_per_token": flops,
                       "tokens_per_sec": a.batch * a.seq_len / step, "loss": loss.item()}))
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 CASES = [  # (label, devices, mesh, rules, extra --set)
     ("1 device", 1, "", "dp", []),
-    ("1 device, bf16 compute", 1, "", "dp", ["model.dtype=bfloat16"]),
+    ("1 device, fp32 compute", 1, "", "dp", ["model.dtype=float32"]),
     ("8 dev dp", 8, "data=8", "dp", []),
     ("8 dev fsdp", 8, "fsdp=8", "fsdp", []),
     ("8 dev tp", 8, "data=4,tensor=2", "tp", []),
@@ -40,7 +40,6 @@ def worker(args) -> None:
     from spmd.config import load_config
     from spmd.data import make_batches
     from spmd.mesh import build_mesh
-    from spmd.metrics import peak_flops
     from spmd.rules import load_rules
     from spmd.train import build_trainer
 
@@ -61,9 +60,8 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t)
     step_time = statistics.median(times)
     tok_s = cfg.train.global_batch_size * cfg.train.seq_len / step_time
-    peak, _ = peak_flops(cfg.model.dtype)
-    print(json.dumps({"tokens_per_sec": tok_s, "step_time": step_time,
-                      "mfu": tok_s * flops_per_token(cfg.model, cfg.train.seq_len) / peak,
+    print(json.dumps({"tokens_per_sec": tok_s, "step_time": step_time, "dtype": cfg.model.dtype,
+                      "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
                       "loss": float(metrics["loss"])}))
 
 
@@ -98,7 +96,7 @@ def main() -> None:
 
     cfg = load_config(args.config)
     m = cfg.model
-    peaks = {dt: measure_matmul_flops(dt) for dt in ("float32", "bfloat16")}
+    peaks = {dt: measure_matmul_flops(dt, reps=21) for dt in ("float32", "bfloat16")}
     rows = []
     for label, devices, mesh, rules, sets in CASES:
         cmd = [sys.executable, __file__, "--worker", "--config", args.config, "--devices", str(devices),
@@ -108,30 +106,33 @@ def main() -> None:
         r = run_json(cmd)
         rows.append((label, r))
         print(f"  {label}: {r['tokens_per_sec']:,.0f} tok/s", file=sys.stderr, flush=True)
-    torch_row = None
-    if os.path.exists(args.torch_python):
-        torch_row = run_json([args.torch_python, str(ROOT / "scripts" / "bench_torch.py"),
+    torch_rows = []
+    for torch_dtype in ("float32", "bfloat16") if os.path.exists(args.torch_python) else ():
+        torch_rows.append(run_json([args.torch_python, str(ROOT / "scripts" / "bench_torch.py"),
                               "--vocab-size", str(m.vocab_size), "--d-model", str(m.d_model),
                               "--n-layers", str(m.n_layers), "--n-heads", str(m.n_heads),
                               "--n-kv-heads", str(m.n_kv_heads), "--head-dim", str(m.head_dim),
                               "--d-ff", str(m.d_ff), "--batch", str(cfg.train.global_batch_size),
                               "--seq-len", str(cfg.train.seq_len), "--steps", str(args.steps),
-                              "--warmup", str(args.warmup), "--rope-theta", str(m.rope_theta)])
+                              "--warmup", str(args.warmup), "--rope-theta", str(m.rope_theta),
+                              "--dtype", torch_dtype]))
+    torch_row = torch_rows[0] if torch_rows else None
 
     print(f"\n`{args.config}`: {count_params(m):,} params, batch {cfg.train.global_batch_size} x "
           f"{cfg.train.seq_len} tokens, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
           f"median of {args.steps} steps after {args.warmup} warm-up\n")
     print(f"Measured matmul peak ({MATMUL_N}x{MATMUL_N}): float32 {peaks['float32'] / 1e9:,.1f} GFLOP/s, "
           f"bfloat16 {peaks['bfloat16'] / 1e9:,.1f} GFLOP/s\n")
-    print("| run | tokens/s | step (ms) | MFU (vs matmul peak of its dtype) | vs PyTorch eager |")
-    print("|---|---:|---:|---:|---:|")
-    for label, r in rows:
+    print("| run | compute | tokens/s | step (ms) | MFU vs fp32 peak | MFU vs bf16 peak | vs PyTorch eager fp32 | vs PyTorch eager, same dtype |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for label, r in rows + [(f"PyTorch {t['torch']} eager, {t['threads']} threads", t) for t in torch_rows]:
         ratio = f"{r['tokens_per_sec'] / torch_row['tokens_per_sec']:.2f}x" if torch_row else "n/a"
-        print(f"| {label} | {r['tokens_per_sec']:,.0f} | {r['step_time'] * 1e3:.1f} | {r['mfu']:.1%} | {ratio} |")
-    if torch_row:
-        print(f"| PyTorch {torch_row['torch']} eager, fp32, {torch_row['threads']} threads | "
-              f"{torch_row['tokens_per_sec']:,.0f} | {torch_row['step_time'] * 1e3:.1f} | | 1.00x |")
-    else:
+        same_t = [t for t in torch_rows if t["dtype"] == r["dtype"]]
+        same = f"{r['tokens_per_sec'] / same_t[0]['tokens_per_sec']:.2f}x" if same_t else "n/a"
+        flops = r["tokens_per_sec"] * r["flops_per_token"]
+        print(f"| {label} | {r['dtype']} | {r['tokens_per_sec']:,.0f} | {r['step_time'] * 1e3:.1f} | "
+              f"{flops / peaks['float32']:.1%} | {flops / peaks['bfloat16']:.1%} | {ratio} | {same} |")
+    if not torch_rows:
         print(f"\n(no PyTorch baseline: {args.torch_python} not found; see docs/performance.md)")
 
 

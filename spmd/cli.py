@@ -121,7 +121,7 @@ def run(args) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
 
     # Everything above validated the input; from here on we write.
-    from spmd.metrics import MetricsWriter, peak_flops
+    from spmd.metrics import peak_flops
 
     T, B = cfg.train.seq_len, cfg.train.global_batch_size
     peak, peak_how = peak_flops(cfg.model.dtype)

@@ -93,6 +93,3 @@ def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
-
-def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    return dict(mesh.shape)
