@@ -10,6 +10,7 @@ assembled with `jax.make_array_from_process_local_data`.
 """
 
 import dataclasses
+import functools
 import hashlib
 import os
 import pathlib
@@ -135,6 +136,7 @@ class Batches:
     n_train_windows: int
     n_val_windows: int
 
+    @functools.cached_property
     def local_rows(self) -> range:
         """Rows of the global batch held by this process's devices (a contiguous range)."""
         index_map = self.sharding.addressable_devices_indices_map((self.global_batch_size, self.seq_len))
@@ -143,7 +145,7 @@ class Batches:
         return range(min(starts), max(stops))
 
     def _assemble(self, dataset, first: int) -> dict[str, jax.Array]:
-        rows = self.local_rows()
+        rows = self.local_rows
         windows = np.stack([dataset[first + r] for r in rows])
         shape = (self.global_batch_size, self.seq_len)
         return {
