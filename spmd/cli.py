@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, help="log metrics every N steps (overrides train.log_every)")
     p.add_argument("--eval-every", type=int, help="held-out eval every N steps, 0 = never (overrides train.eval_every)")
     p.add_argument("--print-sharding", action="store_true", help="print every parameter's sharding and per-device bytes, then exit (allocates nothing)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory (its checkpoints too)")
+    p.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps (overrides checkpoint.every; "
+                   "one is always saved at the end and on SIGTERM/SIGINT)")
+    p.add_argument("--resume-from", metavar="PATH", help="start from another run's checkpoint: a run dir (its latest "
+                   "committed step) or one step, e.g. runs/a/checkpoints/200. Without it, a run dir that holds "
+                   "checkpoints resumes from its latest committed one")
     return p
 
 
@@ -66,13 +71,21 @@ def _set_host_devices(n: int) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from spmd.errors import UserError
+    from spmd.errors import UserError, report
 
     try:
         return run(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        report(e)
+        return _exit_now(2)
+
+
+def _exit_now(code: int) -> int:
+    """Exit without running interpreter shutdown: Orbax/TensorStore worker threads that are still
+    failing on a broken checkpoint would otherwise print tracebacks after our one `error:` line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _log(msg: str) -> None:
@@ -86,6 +99,7 @@ def run(args) -> int:
 
     from models.llama import count_params, flops_per_token
     from spmd import sharding as sharding_lib
+    from spmd.checkpoint import META_VERSION, SUBDIR, Checkpointer
     from spmd.config import load_config
     from spmd.data import make_batches
     from spmd.errors import UserError
@@ -95,7 +109,7 @@ def run(args) -> int:
 
     overrides = list(args.set)
     for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("log_every", "train.log_every"),
-                      ("eval_every", "train.eval_every")):
+                      ("eval_every", "train.eval_every"), ("checkpoint_every", "checkpoint.every")):
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     cfg = load_config(args.config, overrides)
@@ -113,12 +127,16 @@ def run(args) -> int:
 
     batches = make_batches(cfg, plan.batch_sharding)
     run_dir = pathlib.Path(args.run_dir or f"runs/{cfg.name}")
+    state, start_step, warnings = _initial_state(args, cfg, trainer, batches, run_dir)
     if is_main:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            if not args.overwrite:
-                raise UserError(f"run directory {str(run_dir)!r} already holds files; pass a new --run-dir or --overwrite")
+        has_files = run_dir.exists() and any(run_dir.iterdir())
+        if has_files and args.overwrite:
             shutil.rmtree(run_dir)
+        elif has_files and not (run_dir / SUBDIR).is_dir():
+            raise UserError(f"run directory {str(run_dir)!r} already holds files but no checkpoints; "
+                            f"pass a new --run-dir or --overwrite")
         run_dir.mkdir(parents=True, exist_ok=True)
+        _trim_metrics(run_dir / "metrics.jsonl", start_step)
 
     # Everything above validated the input; from here on we write.
     from spmd.metrics import peak_flops
@@ -147,16 +165,38 @@ def run(args) -> int:
              f"{sharding_lib.fmt_bytes(sharding_lib.tree_bytes_per_device(trainer.abstract_state['opt_state']))}")
         if plan.replication_warning():
             _log(plan.replication_warning())
+        for w in warnings:
+            _log(w)
         _log(f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens")
         _log(f"batch: {B} sequences x {T} tokens = {B * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)")
         _log(f"peak for MFU: {peak / 1e9:,.1f} GFLOP/s ({peak_how})")
 
-    state = trainer.init_state()
+    if start_step >= cfg.train.steps:
+        if is_main:
+            _log(f"already at step {start_step} (train.steps = {cfg.train.steps}): nothing to train")
+        return 0
     t0 = time.perf_counter()
-    step_fn = trainer.train_step.lower(state, batches.train_batch(0)).compile()
+    step_fn = trainer.train_step.lower(state, batches.train_batch(start_step)).compile()
     if is_main:
         _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
-    history = train_loop(cfg, trainer, step_fn, state, batches, run_dir if is_main else None, fpt, peak)
+
+    def meta(step: int) -> dict:
+        return {"version": META_VERSION, "step": step, "consumed_samples": batches.consumed_samples(step),
+                "global_batch_size": B, "seq_len": T, "seed": cfg.train.seed, "run": resolved}
+
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint)
+    preemption = Preemption()
+    preemption.install()
+    try:
+        history = train_loop(cfg, trainer, step_fn, state, batches, run_dir if is_main else None, fpt, peak,
+                             start_step, checkpointer, meta, preemption)
+    finally:
+        checkpointer.close()
+    if preemption.signal is not None:
+        if is_main:
+            _log(f"stopped by signal {preemption.signal}: checkpoint for step {checkpointer.last_saved} committed "
+                 f"in {checkpointer.directory}")
+        return 0
     if is_main and history:
         last = history[-1]
         evals = [r["eval_loss"] for r in history if "eval_loss" in r]
@@ -165,8 +205,80 @@ def run(args) -> int:
     return 0
 
 
-def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, peak):
-    """Run cfg.train.steps steps; log, evaluate and write metrics (process 0 writes)."""
+class Preemption:
+    """First SIGTERM/SIGINT: finish the step, save, wait for the commit, exit 0. Second: abort now.
+
+    Aborting skips Python's shutdown, so an in-flight save stays uncommitted (a temporary directory
+    that is never listed) and committed checkpoints are untouched.
+    """
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def install(self) -> None:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            os._exit(128 + signum)
+        self.signal = signum
+        _log(f"signal {signum}: finishing this step, then saving a checkpoint (send it again to abort at once)")
+
+
+def _initial_state(args, cfg, trainer, batches, run_dir):
+    """(state, step, warnings): restored from a checkpoint when there is one to resume, else fresh.
+
+    Reads only, so that any error here leaves the run directory as it was.
+    """
+    from spmd import checkpoint as ckpt
+
+    own = run_dir / ckpt.SUBDIR
+    warnings, source = [], None
+    if args.resume_from:
+        source = ckpt.locate(args.resume_from)
+    elif not args.overwrite and own.is_dir():
+        steps = ckpt.committed_steps(own)
+        if steps:
+            source = (own, steps[-1])
+        elif ckpt.uncommitted(own):
+            warnings.append(f"warning: {own} holds only uncommitted checkpoints ({', '.join(ckpt.uncommitted(own))}) "
+                            f"from an interrupted save; starting fresh and removing them")
+    if source is None:
+        return trainer.init_state(), 0, warnings
+    directory, step = source
+    state, meta = ckpt.restore(directory, step, trainer.abstract_state, trainer.state_shardings)
+    saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
+    batches.resume_at(step, consumed)
+    warnings.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")
+    if saved_batch != cfg.train.global_batch_size:
+        warnings.append(
+            f"warning: global batch size changed from {saved_batch} to {cfg.train.global_batch_size}: data continues "
+            f"at sample {consumed:,} (nothing skipped or repeated), the step count and learning-rate schedule "
+            f"continue from step {step}, so each later step sees {cfg.train.global_batch_size} sequences"
+        )
+    for key, now in (("seq_len", cfg.train.seq_len), ("seed", cfg.train.seed)):
+        if int(meta.get(key, now)) != now:
+            warnings.append(f"warning: train.{key} was {meta[key]} when the checkpoint was written and is {now} now; "
+                            f"the data order after the restore differs from the original run's")
+    return state, step, warnings
+
+
+def _trim_metrics(path: pathlib.Path, last_step: int) -> None:
+    """Drop logged steps after `last_step` (a run killed after its last checkpoint logged them)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, peak, start_step=0,
+               checkpointer=None, meta=None, preemption=None):
+    """Run steps start_step..cfg.train.steps; log, evaluate, write metrics (process 0) and checkpoints."""
     import jax
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -182,40 +294,48 @@ def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, pe
         TextColumn("loss {task.fields[loss]}  {task.fields[tok_s]} tok/s  MFU {task.fields[mfu]}  ETA"),
         TimeRemainingColumn(), console=Console(stderr=True), disable=run_dir is None,
     )
-    task = progress.add_task("train", total=tcfg.steps, loss="-", tok_s="-", mfu="-")
+    task = progress.add_task("train", total=tcfg.steps, completed=start_step, loss="-", tok_s="-", mfu="-")
+    every = cfg.checkpoint.every
     t_last, steps_since = time.perf_counter(), 0
     with progress:
-        for step in range(tcfg.steps):
+        for step in range(start_step, tcfg.steps):
             state, metrics = step_fn(state, batches.train_batch(step))
             steps_since += 1
             done = step + 1
-            is_eval = tcfg.eval_every and (done % tcfg.eval_every == 0 or done == tcfg.steps)
-            if done % tcfg.log_every and done != tcfg.steps and not is_eval:
-                continue
-            m = jax.device_get(metrics)
-            now = time.perf_counter()
-            tok_s = steps_since * tokens_per_step / (now - t_last)
-            record = {
-                "step": done, "loss": float(m["loss"]), "tokens_per_sec": tok_s,
-                "mfu": tok_s * flops_per_tok / peak, "learning_rate": float(m["learning_rate"]),
-                "grad_norm": float(m["grad_norm"]), "step_time": (now - t_last) / steps_since,
-            }
-            if tcfg.z_loss:
-                record["z_loss"] = float(m["z_loss"])
-            if is_eval:
-                record["eval_loss"] = evaluate(trainer, state["params"], batches)
-            progress.update(task, completed=done, loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                            mfu=f"{record['mfu']:.1%}")
-            if writer:
-                writer.write(record)
-                progress.console.print(
-                    f"step {done:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.2e}  "
-                    f"grad_norm {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s  MFU {record['mfu']:.1%}"
-                    + (f"  eval_loss {record['eval_loss']:.4f}" if is_eval else ""),
-                    highlight=False, soft_wrap=True,
-                )
-            # Eval time is not training time.
-            t_last, steps_since = time.perf_counter(), 0
+            stopping = preemption is not None and preemption.signal is not None
+            is_eval = bool(tcfg.eval_every) and (done % tcfg.eval_every == 0 or done == tcfg.steps)
+            if stopping or is_eval or done % tcfg.log_every == 0 or done == tcfg.steps:
+                m = jax.device_get(metrics)
+                now = time.perf_counter()
+                tok_s = steps_since * tokens_per_step / (now - t_last)
+                record = {
+                    "step": done, "loss": float(m["loss"]), "tokens_per_sec": tok_s,
+                    "mfu": tok_s * flops_per_tok / peak, "learning_rate": float(m["learning_rate"]),
+                    "grad_norm": float(m["grad_norm"]), "step_time": (now - t_last) / steps_since,
+                }
+                if tcfg.z_loss:
+                    record["z_loss"] = float(m["z_loss"])
+                if is_eval:
+                    record["eval_loss"] = evaluate(trainer, state["params"], batches)
+                progress.update(task, completed=done, loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
+                                mfu=f"{record['mfu']:.1%}")
+                if writer:
+                    writer.write(record)
+                    progress.console.print(
+                        f"step {done:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.2e}  "
+                        f"grad_norm {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s  MFU {record['mfu']:.1%}"
+                        + (f"  eval_loss {record['eval_loss']:.4f}" if is_eval else ""),
+                        highlight=False, soft_wrap=True,
+                    )
+                # Eval and checkpoint time is not training time.
+                t_last, steps_since = time.perf_counter(), 0
+            if checkpointer is not None and ((every and done % every == 0) or done == tcfg.steps or stopping):
+                t_save = time.perf_counter()
+                checkpointer.save(done, state, meta(done))
+                t_last += time.perf_counter() - t_save  # the blocking part of a save is not training time
+            if stopping:
+                checkpointer.wait()
+                break
     if writer:
         writer.close()
     return writer.history if writer else []

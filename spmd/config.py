@@ -75,17 +75,34 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # save every N steps (0: only at the end and on preemption)
+    keep_last: int = 3  # keep the newest K checkpoints ...
+    keep_every: int = 0  # ... plus every step divisible by M (0: none)
+    async_save: bool = True  # write in the background while training continues
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.every < 0 or self.keep_every < 0:
+            problems.append("checkpoint.every and checkpoint.keep_every must be >= 0")
+        if self.keep_last < 1:
+            problems.append(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
 
 
 def presets() -> list[str]:
@@ -131,6 +148,14 @@ def _set(tree: dict, key: str, value, source: str) -> None:
     tree.setdefault(section, {})[leaf] = _coerce(key, value, types[leaf], source)
 
 
+def config_from_json(d: dict) -> Config:
+    """The inverse of Config.to_json (e.g. the config saved in a checkpoint's metadata)."""
+    try:
+        return Config(name=d["name"], **{s: SECTIONS[s](**d.get(s, {})) for s in SECTIONS})
+    except (KeyError, TypeError) as e:
+        raise UserError(f"saved config is not readable by this version ({e})") from None
+
+
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
     """A preset name from configs/ or a path to a TOML file, then `key=value` overrides."""
     path = pathlib.Path(name_or_path)
@@ -151,7 +176,7 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     for section, table in doc.items():
         if section not in SECTIONS or not isinstance(table, dict):
             raise UserError(f"unknown section {section!r} in config {str(path)!r}{closest(section, SECTIONS)}; "
-                            f"sections are [model], [train], [data]")
+                            f"sections are [model], [train], [data], [checkpoint]")
         for leaf, value in table.items():
             _set(tree, f"{section}.{leaf}", value, str(path))
     for item in overrides:
@@ -163,7 +188,7 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
         name=path.stem if path.parent == CONFIG_DIR else str(path),
         **{s: SECTIONS[s](**tree.get(s, {})) for s in SECTIONS},
     )
-    problems = cfg.model.check() + cfg.train.check() + cfg.data.check()
+    problems = [p for s in SECTIONS for p in getattr(cfg, s).check()]
     if problems:
         raise UserError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return cfg

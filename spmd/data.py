@@ -2,8 +2,8 @@
 
 The batch for optimizer step `s` holds the windows at positions `s*B .. s*B+B-1` of a grain
 `MapDataset` that is shuffled with the run's seed and reshuffled every epoch. Nothing but the
-step is needed to find the next batch, so the data position survives a restart on any number of
-devices or processes (a checkpoint stores the step; nothing else).
+step (and the samples consumed, should the global batch size change on resume) is needed to find
+the next batch, so the data position survives a restart on any number of devices or processes.
 
 Each process reads only the rows of the global batch that its devices hold, and the batch is
 assembled with `jax.make_array_from_process_local_data`.
@@ -135,6 +135,18 @@ class Batches:
     description: str
     n_train_windows: int
     n_val_windows: int
+    # The data position: batch `start_step` begins at sample `start_sample` of the shuffled order.
+    # A fresh run starts at (0, 0); a resumed one at the checkpoint's (step, consumed_samples), so
+    # a new global batch size continues the sample stream where the old one stopped.
+    start_step: int = 0
+    start_sample: int = 0
+
+    def resume_at(self, step: int, consumed_samples: int) -> None:
+        self.start_step, self.start_sample = step, consumed_samples
+
+    def consumed_samples(self, step: int) -> int:
+        """Samples drawn by the batches before `step`."""
+        return self.start_sample + (step - self.start_step) * self.global_batch_size
 
     @functools.cached_property
     def local_rows(self) -> range:
@@ -154,14 +166,14 @@ class Batches:
         }
 
     def train_batch(self, step: int) -> dict[str, jax.Array]:
-        return self._assemble(self.train, step * self.global_batch_size)
+        return self._assemble(self.train, self.consumed_samples(step))
 
     def eval_batch(self, i: int) -> dict[str, jax.Array]:
         return self._assemble(self.val, i * self.global_batch_size)
 
     def global_numpy_batch(self, step: int) -> np.ndarray:
         """The whole global batch of windows for `step`, on the host (for tests and tools)."""
-        first = step * self.global_batch_size
+        first = self.consumed_samples(step)
         return np.stack([self.train[first + r] for r in range(self.global_batch_size)])
 
 

@@ -1,6 +1,10 @@
 """User-facing errors: one `error:` line on stderr, exit code 2, no traceback."""
 
+import contextlib
 import difflib
+import os
+import sys
+import tempfile
 
 
 class UserError(Exception):
@@ -11,3 +15,39 @@ def closest(name: str, choices) -> str:
     """' (did you mean X?)' for the closest of `choices`, or ''."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+_real_stderr_fd: int | None = None
+
+
+@contextlib.contextmanager
+def stderr_parked():
+    """Send fd 2 to a temporary file while a library call runs.
+
+    On success fd 2 comes back and what was captured is replayed. On an exception fd 2 stays
+    parked: background threads of the failed call (Orbax's TensorStore readers) go on printing
+    tracebacks there, and `report` writes our one `error:` line to the real stderr instead.
+    """
+    global _real_stderr_fd
+    sys.stderr.flush()
+    saved = os.dup(2)
+    parked = tempfile.TemporaryFile()
+    os.dup2(parked.fileno(), 2)
+    try:
+        yield
+    except BaseException:
+        _real_stderr_fd = saved
+        raise
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    parked.seek(0)
+    captured = parked.read()
+    if captured:
+        os.write(2, captured)
+
+
+def report(e: Exception) -> None:
+    """Print `error: ...` on the real stderr (even while fd 2 is parked)."""
+    sys.stderr.flush()
+    os.write(_real_stderr_fd if _real_stderr_fd is not None else 2, f"error: {e}\n".encode())

@@ -69,9 +69,11 @@ class MetricsWriter:
         from tensorboardX import SummaryWriter
 
         self.run_dir = run_dir
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        path = run_dir / "metrics.jsonl"
+        # A resumed run continues the file (already trimmed to the restored step), and its plot.
+        self.history: list[dict] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        self.jsonl = open(path, "a")
         self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        self.history: list[dict] = []
 
     def write(self, record: dict) -> None:
         self.history.append(record)
@@ -87,6 +89,8 @@ class MetricsWriter:
         self.plot()
 
     def plot(self) -> None:
+        if not self.history:
+            return
         import matplotlib
 
         matplotlib.use("Agg")

@@ -87,6 +87,17 @@ def test_trains_tiny_end_to_end(tmp_path):
     assert (run_dir / "loss.png").stat().st_size > 1000
     assert any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "attention: xla" in result.stderr and "peak for MFU" in result.stderr
-    # The same run directory is not silently overwritten.
-    again = spmd_train("--config", "tiny", "--host-devices", "8", "--run-dir", str(run_dir), "--steps", "1")
-    assert again.returncode == 2 and "already holds files" in again.stderr
+    # Running again in the same directory resumes from its final checkpoint.
+    again = spmd_train("--config", "tiny", "--mesh", "fsdp=4,tensor=2", "--rules", "fsdp_tp", "--host-devices", "8",
+                       "--steps", "45", "--run-dir", str(run_dir))
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [5, 10, 15, 20, 25, 30, 35, 40, 45]
+
+
+def test_a_directory_with_files_but_no_checkpoints_is_not_reused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = spmd_train("--config", "tiny", "--host-devices", "8", "--run-dir", str(tmp_path), "--steps", "1")
+    assert result.returncode == 2 and "already holds files but no checkpoints" in result.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"

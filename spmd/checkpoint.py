@@ -1,0 +1,183 @@
+"""Checkpoints: Orbax CheckpointManager, async and atomic, restored onto any mesh.
+
+Layout: `<run-dir>/checkpoints/<step>/{state,meta}`. `state` is the train state pytree
+(params, optimizer state, step); `meta` is JSON: the data position, the seed, and the resolved
+config, mesh and rules of the run that wrote it. Orbax writes a step into
+`<step>.orbax-checkpoint-tmp-*` and renames it when complete, so only committed steps are ever
+listed or restored.
+
+Restoring passes a target of `ShapeDtypeStruct`s carrying the *new* run's shardings: each device
+reads just the chunks of its own shards (TensorStore), whatever mesh, rules, device count or
+process count wrote the checkpoint.
+
+There is no random state beyond the seed: parameters are initialised from the seed, and the data
+position is `consumed_samples` (the batch at step s starts at sample
+`consumed_samples + (s - step) * global_batch_size` of the seed's shuffled order).
+"""
+
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging as absl_logging
+
+from spmd.config import CheckpointConfig
+from spmd.errors import UserError, stderr_parked
+
+SUBDIR = "checkpoints"
+TMP_MARK = ".orbax-checkpoint-tmp"
+META_VERSION = 1
+
+# Orbax logs routine progress (and read-only notices) as absl warnings; the CLI's stderr is for
+# our own lines and `error:`.
+absl_logging.set_verbosity(absl_logging.ERROR)
+
+
+
+def _manager(directory: pathlib.Path, cfg: CheckpointConfig | None = None, read_only: bool = False):
+    cfg = cfg or CheckpointConfig()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep_last,
+        keep_period=cfg.keep_every or None,
+        enable_async_checkpointing=cfg.async_save,
+        cleanup_tmp_directories=not read_only,
+        create=not read_only,
+        read_only=read_only,
+    )
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=handlers)
+
+
+def committed_steps(directory: pathlib.Path) -> list[int]:
+    """Steps whose checkpoint finished (renamed from its temporary name)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def uncommitted(directory: pathlib.Path) -> list[str]:
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if TMP_MARK in p.name)
+
+
+def locate(path: str) -> tuple[pathlib.Path, int]:
+    """(checkpoints directory, step) for a run-dir, its checkpoints dir, or one step of it."""
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"checkpoint path {str(p)!r} not found")
+    if TMP_MARK in p.name:
+        raise UserError(f"checkpoint {str(p)!r} was never committed (its save did not finish); pick a committed step")
+    if p.name.isdigit() and (p / "state").exists():
+        return p.parent, int(p.name)
+    directory = p / SUBDIR if (p / SUBDIR).is_dir() else p
+    steps = committed_steps(directory)
+    if not steps:
+        tmp = uncommitted(directory)
+        extra = f" (only uncommitted: {', '.join(tmp)})" if tmp else ""
+        raise UserError(f"no committed checkpoint under {str(p)!r}{extra}")
+    return directory, steps[-1]
+
+
+class Checkpointer:
+    """Saves a run's checkpoints; one per run, process-wide (every process calls save)."""
+
+    def __init__(self, run_dir: pathlib.Path, cfg: CheckpointConfig):
+        self.directory = run_dir / SUBDIR
+        self.cfg = cfg
+        self.manager = _manager(self.directory, cfg)
+        self.last_saved: int | None = self.manager.latest_step()
+
+    def save(self, step: int, state, meta: dict) -> None:
+        if self.last_saved == step:
+            return
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        self.last_saved = step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def read_meta(directory: pathlib.Path, step: int) -> dict:
+    manager = _manager(directory, read_only=True)
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001 — any failure to read is a broken checkpoint to the user
+        raise UserError(f"checkpoint {directory}/{step} has unreadable metadata ({_first_line(e)}); run spmd-ckpt verify") from None
+    manager.close()
+    return meta
+
+
+def saved_arrays(directory: pathlib.Path, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{path: (shape, dtype)} of the saved train state, from Orbax's metadata."""
+    manager = _manager(directory, read_only=True)
+    try:
+        tree = manager.item_metadata(step)["state"]
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"checkpoint {directory}/{step} is incomplete or corrupt ({_first_line(e)}); run spmd-ckpt verify") from None
+    manager.close()
+    if tree is None:
+        raise UserError(f"checkpoint {directory}/{step} has no state; it is incomplete")
+    return {_key(path): (tuple(m.shape), str(m.dtype))
+            for path, m in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _key(path) -> str:
+    """'opt_state/1/0/mu/embed_VD': one spelling for dict keys, sequence indices and NamedTuple fields
+    (Orbax's metadata turns NamedTuple fields into dict keys)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def check_compatible(directory: pathlib.Path, step: int, abstract_state) -> None:
+    """An error naming the first parameter whose saved shape differs from this config's."""
+    saved = saved_arrays(directory, step)
+    wanted = {_key(path): (tuple(x.shape), str(x.dtype))
+              for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+    for key, (shape, dtype) in wanted.items():
+        if key not in saved:
+            raise UserError(f"checkpoint {directory}/{step} has no array {key} that this config needs; "
+                            f"was it written by a different model config?")
+        if saved[key][0] != shape:
+            raise UserError(f"checkpoint {directory}/{step}: {key} has shape {saved[key][0]} but this config "
+                            f"needs {shape}; use the config the checkpoint was written with")
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise UserError(f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have")
+
+
+def restore(directory: pathlib.Path, step: int, abstract_state, shardings) -> tuple[dict, dict]:
+    """(state with `shardings`, meta). Each device reads only the chunks of its shards."""
+    check_compatible(directory, step, abstract_state)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
+    manager = _manager(directory, read_only=True)
+    try:
+        with stderr_parked():
+            out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001
+        # Not closing the manager: its reader threads may still be failing; the CLI exits now.
+        raise UserError(f"checkpoint {directory}/{step} could not be read ({_first_line(e)}); "
+                        f"it is corrupt or incomplete: run spmd-ckpt verify, or pass an earlier step to --resume-from") from None
+    manager.close()
+    return out["state"], out["meta"]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().split("See full TensorStore details")[0].strip().splitlines()
+    return (text[0].rstrip(" .") if text else type(e).__name__)[:300]
