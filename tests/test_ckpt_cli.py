@@ -101,3 +101,11 @@ def test_only_uncommitted_checkpoints_start_fresh_with_a_warning(tmp_path):
     assert "holds only uncommitted checkpoints (3.orbax-checkpoint-tmp-9)" in result.stderr
     assert ckpt.committed_steps(run_dir / "checkpoints") == [2]
     assert not ckpt.uncommitted(run_dir / "checkpoints")
+
+
+def test_retention_keeps_the_last_k_plus_every_mth(tmp_path):
+    run_dir = tmp_path / "run"
+    result = spmd_train("--config", "tiny", "--host-devices", "8", "--steps", "12", "--checkpoint-every", "2",
+                        "--set", "checkpoint.keep_last=2", "--set", "checkpoint.keep_every=4", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert ckpt.committed_steps(run_dir / "checkpoints") == [4, 8, 10, 12]
