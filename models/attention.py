@@ -9,12 +9,15 @@ import jax
 import jax.numpy as jnp
 
 
-def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT=None, k_positions_BS=None):
     """Plain softmax attention; GQA by grouping query heads, never repeating K/V.
 
     Each kv head's G query heads are laid end to end along the query axis (Q = G*T), so both
     matmuls have one batch axis (B*K) and one contracting axis: XLA:CPU runs that form about twice
     as fast as the 5-D einsum (BTKGH,BSKH->BKGTS), forward plus backward, on `small`.
+
+    With positions (KV-cache decoding, left-padded batches) a key is seen when
+    0 <= key position <= query position; a negative position marks padding or an empty slot.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -24,7 +27,12 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
     k_bSH = k_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
     v_bSH = v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
     logits_bQS = jnp.einsum("bQH,bSH->bQS", q_bQH, k_bSH, preferred_element_type=jnp.float32) * (H**-0.5)
-    if causal:
+    if q_positions_BT is not None:
+        kpos_B1S = k_positions_BS[:, None, :]
+        mask_BTS = (kpos_B1S >= 0) & (kpos_B1S <= q_positions_BT[:, :, None])
+        mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
+        logits_bQS = jnp.where(mask_bQS, logits_bQS, jnp.finfo(jnp.float32).min)
+    elif causal:
         t_Q = jnp.tile(jnp.arange(T), G)  # query position of each row of Q
         mask_QS = t_Q[:, None] >= jnp.arange(S)[None, :]
         logits_bQS = jnp.where(mask_QS[None], logits_bQS, jnp.finfo(jnp.float32).min)

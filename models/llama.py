@@ -10,12 +10,13 @@ with `jax.lax.scan`, so compile time does not grow with depth.
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import ATTENTION_IMPLS
+from models.attention import ATTENTION_IMPLS, xla_attention
 from spmd.logical import constrain
 
 REMAT_POLICIES = {
@@ -28,6 +29,23 @@ REMAT_POLICIES = {
 # Everything else the partitioner infers from the parameters.
 RESIDUAL_AXES = ("batch", "seq", "act_embed")
 LOGITS_AXES = ("batch", "seq", "act_vocab")
+KV_CACHE_AXES = ("layers", "batch", "seq", "act_kv_heads", "head_dim")
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for S slots, and the position of the token in each slot
+    (-1: empty or padding). Decoding writes T new slots at `index`."""
+
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
+    positions_BS: jax.Array
+    index: jax.Array  # scalar int32: the next slot to write
+
+    @classmethod
+    def empty(cls, cfg: "ModelConfig", batch: int, slots: int) -> "KVCache":
+        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        return cls(zeros, zeros, jnp.full((batch, slots), -1, jnp.int32), jnp.zeros((), jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +143,26 @@ class Attention(nnx.Module):
         self.wo_NHD = _param(rngs, cfg, (N, H, D), ("heads", "head_dim", "embed"),
                              std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
-    def __call__(self, x_BTD, positions_BT):
+    def __call__(self, x_BTD, positions_BT, kv=None):
+        """kv: None (training: causal over this sequence), or (k_BSKH, v_BSKH, positions_BS, index)
+        of a cache: the new keys and values are written at `index` and attended with the cache."""
         dt = x_BTD.dtype
         q_BTNH = project(x_BTD, self.wq_DNH[...].astype(dt))  # BTD,DNH->BTNH
         k_BTKH = project(x_BTD, self.wk_DKH[...].astype(dt))  # BTD,DKH->BTKH
         v_BTKH = project(x_BTD, self.wv_DKH[...].astype(dt))  # BTD,DKH->BTKH
         q_BTNH = rope(q_BTNH, positions_BT, self.cfg.rope_theta)
         k_BTKH = rope(k_BTKH, positions_BT, self.cfg.rope_theta)
-        out_BTNH = ATTENTION_IMPLS[self.cfg.attention_impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
-        return project(out_BTNH, self.wo_NHD[...].astype(dt), n_in=2)  # BTNH,NHD->BTD
+        if kv is None:
+            out_BTNH = ATTENTION_IMPLS[self.cfg.attention_impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+            new_kv = None
+        else:
+            k_BSKH, v_BSKH, positions_BS, index = kv
+            k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
+            v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
+            out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt),
+                                     q_positions_BT=positions_BT, k_positions_BS=positions_BS)
+            new_kv = (k_BSKH, v_BSKH)
+        return project(out_BTNH, self.wo_NHD[...].astype(dt), n_in=2), new_kv  # BTNH,NHD->BTD
 
 
 class MLP(nnx.Module):
@@ -159,13 +188,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    def __call__(self, x_BTD, positions_BT, kv=None):
+        attn_BTD, new_kv = self.attn(self.attn_norm(x_BTD), positions_BT, kv)
+        x_BTD = x_BTD + attn_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), new_kv
 
 
 class Decoder(nnx.Module):
-    ACTIVATION_AXES = {"activation residual_BTD": RESIDUAL_AXES, "activation logits_BTV": LOGITS_AXES}
+    ACTIVATION_AXES = {"activation residual_BTD": RESIDUAL_AXES, "activation logits_BTV": LOGITS_AXES,
+                       "kv cache": KV_CACHE_AXES}
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -181,27 +212,43 @@ class Decoder(nnx.Module):
         if not cfg.tie_embeddings:
             self.head_DV = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens_BT):
+    def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None):
+        """Logits for every position; with a cache, also the updated cache (see KVCache)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(dt), RESIDUAL_AXES)
-        positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
 
         graphdef, layer_state = nnx.split(self.layers)
 
-        def layer(x_BTD, one_layer_state):
-            x_BTD = nnx.merge(graphdef, one_layer_state)(x_BTD, positions_BT)
-            return constrain(x_BTD, RESIDUAL_AXES), None
+        if cache is None:
+            def layer(x_BTD, one_layer_state):
+                x_BTD, _ = nnx.merge(graphdef, one_layer_state)(x_BTD, positions_BT)
+                return constrain(x_BTD, RESIDUAL_AXES), None
 
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(layer, x_BTD, layer_state, unroll=min(cfg.scan_unroll, cfg.n_layers))
+            if cfg.remat != "none":
+                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            x_BTD, _ = jax.lax.scan(layer, x_BTD, layer_state, unroll=min(cfg.scan_unroll, cfg.n_layers))
+        else:
+            positions_BS = jax.lax.dynamic_update_slice_in_dim(cache.positions_BS, positions_BT, cache.index, axis=1)
+
+            def layer(x_BTD, xs):
+                one_layer_state, k_BSKH, v_BSKH = xs
+                kv = (k_BSKH, v_BSKH, positions_BS, cache.index)
+                x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, one_layer_state)(x_BTD, positions_BT, kv)
+                return constrain(x_BTD, RESIDUAL_AXES), (k_BSKH, v_BSKH)
+
+            x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(layer, x_BTD, (layer_state, cache.k_LBSKH, cache.v_LBSKH))
+            cache = KVCache(constrain(k_LBSKH, KV_CACHE_AXES), constrain(v_LBSKH, KV_CACHE_AXES), positions_BS,
+                            cache.index + tokens_BT.shape[1])
 
         x_BTD = self.final_norm(x_BTD)
         if cfg.tie_embeddings:
             logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed_VD[...].astype(dt))
         else:
             logits_BTV = project(x_BTD, self.head_DV[...].astype(dt))  # BTD,DV->BTV
-        return constrain(logits_BTV, LOGITS_AXES)
+        logits_BTV = constrain(logits_BTV, LOGITS_AXES)
+        return logits_BTV if cache is None else (logits_BTV, cache)
 
 
 def count_params(cfg: ModelConfig, include_embedding: bool = True) -> int:

@@ -1,0 +1,11 @@
+"""`python scripts/eval.py ...` is `spmd-eval ...` without installing the entry point."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from spmd.infer_cli import eval_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(eval_main())
