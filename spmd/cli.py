@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
     p.add_argument("--run-dir", help="where metrics.jsonl, config.json, tensorboard/ and loss.png go [runs/<config>]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. --set train.learning_rate=1e-3 (repeatable)")
-    p.add_argument("--host-devices", type=int, help="simulate N CPU devices (uses the CPU backend)")
+    p.add_argument("--host-devices", type=int, default=_env_host_devices(),
+                   help="simulate N CPU devices per process (uses the CPU backend) [$SPMD_HOST_DEVICES]")
     p.add_argument("--seed", type=int, help="seed for init and data order (overrides train.seed)")
     p.add_argument("--log-every", type=int, help="log metrics every N steps (overrides train.log_every)")
     p.add_argument("--eval-every", type=int, help="held-out eval every N steps, 0 = never (overrides train.eval_every)")
@@ -48,10 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory (its checkpoints too)")
     p.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps (overrides checkpoint.every; "
                    "one is always saved at the end and on SIGTERM/SIGINT)")
+    from spmd.distributed import add_flags
+
+    add_flags(p)
     p.add_argument("--resume-from", metavar="PATH", help="start from another run's checkpoint: a run dir (its latest "
                    "committed step) or one step, e.g. runs/a/checkpoints/200. Without it, a run dir that holds "
                    "checkpoints resumes from its latest committed one")
     return p
+
+
+def _env_host_devices() -> int | None:
+    value = os.environ.get("SPMD_HOST_DEVICES")
+    return int(value) if value and value.isdigit() else None
 
 
 def _set_host_devices(n: int) -> None:
@@ -95,6 +104,9 @@ def _log(msg: str) -> None:
 def run(args) -> int:
     if args.host_devices is not None:
         _set_host_devices(args.host_devices)
+    from spmd import distributed
+
+    distributed.initialize(args)
     import jax
 
     from models.llama import count_params, flops_per_token
@@ -128,15 +140,20 @@ def run(args) -> int:
     batches = make_batches(cfg, plan.batch_sharding)
     run_dir = pathlib.Path(args.run_dir or f"runs/{cfg.name}")
     state, start_step, warnings = _initial_state(args, cfg, trainer, batches, run_dir)
+    # Every process checks (the run dir is on a shared filesystem), so all fail alike; one writes.
+    has_files = run_dir.exists() and any(run_dir.iterdir())
+    if has_files and not args.overwrite and not (run_dir / SUBDIR).is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} already holds files but no checkpoints; "
+                        f"pass a new --run-dir or --overwrite")
     if is_main:
-        has_files = run_dir.exists() and any(run_dir.iterdir())
         if has_files and args.overwrite:
             shutil.rmtree(run_dir)
-        elif has_files and not (run_dir / SUBDIR).is_dir():
-            raise UserError(f"run directory {str(run_dir)!r} already holds files but no checkpoints; "
-                            f"pass a new --run-dir or --overwrite")
         run_dir.mkdir(parents=True, exist_ok=True)
         _trim_metrics(run_dir / "metrics.jsonl", start_step)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("run directory ready")
 
     # Everything above validated the input; from here on we write.
     from spmd.metrics import peak_flops
@@ -221,6 +238,21 @@ class Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
+    def requested(self) -> bool:
+        """Whether to stop after this step. With several processes they must agree (a signal can
+        reach them at different steps), so any process's request stops them all at the same step."""
+        import jax
+
+        if jax.process_count() == 1:
+            return self.signal is not None
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.signal or 0))
+        if self.signal is None and flags.any():
+            self.signal = int(flags.max())
+        return bool(flags.any())
+
     def _handle(self, signum, frame):
         if self.signal is not None:
             os._exit(128 + signum)
@@ -302,7 +334,7 @@ def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, pe
             state, metrics = step_fn(state, batches.train_batch(step))
             steps_since += 1
             done = step + 1
-            stopping = preemption is not None and preemption.signal is not None
+            stopping = preemption is not None and preemption.requested()
             is_eval = bool(tcfg.eval_every) and (done % tcfg.eval_every == 0 or done == tcfg.steps)
             if stopping or is_eval or done % tcfg.log_every == 0 or done == tcfg.steps:
                 m = jax.device_get(metrics)

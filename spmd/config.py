@@ -24,6 +24,8 @@ class TrainConfig:
     learning_rate: float = 3e-3  # peak, reached after warmup; cosine decay to min_lr_ratio x peak
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+    schedule_steps: int = 0  # length of the warmup + cosine schedule; 0: train.steps. Fix it to
+    # stop a run early (fewer --steps) or resume with more, without changing the learning rates.
     weight_decay: float = 0.1  # AdamW; not applied to norm scales
     beta1: float = 0.9
     beta2: float = 0.95
@@ -45,7 +47,7 @@ class TrainConfig:
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"train.microbatches ({self.microbatches})"
             )
-        for key in ("warmup_steps", "eval_every"):
+        for key in ("warmup_steps", "eval_every", "schedule_steps"):
             if getattr(self, key) < 0:
                 problems.append(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.learning_rate <= 0:

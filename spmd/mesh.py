@@ -89,7 +89,7 @@ def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:
         dcn = resolve_sizes(parse_mesh(dcn_mesh, "--dcn-mesh"), n_processes, "--dcn-mesh")
         ici = resolve_sizes(parse_mesh(mesh), len(devices) // n_processes, "--mesh")
         grid = mesh_utils.create_hybrid_device_mesh(
-            [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices=devices
+            [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices=devices, process_is_granule=True
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 

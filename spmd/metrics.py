@@ -20,6 +20,20 @@ PEAK_FLOPS_TABLE = {
 MATMUL_N = 2048
 
 
+def _host_count() -> int:
+    """Distinct machines in the job (several processes may share one, as with spmd-launch)."""
+    if jax.process_count() == 1:
+        return 1
+    import socket
+    import zlib
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.uint32(zlib.crc32(socket.gethostname().encode()))
+    return len(set(np.asarray(multihost_utils.process_allgather(mine)).ravel().tolist()))
+
+
 def measure_matmul_flops(dtype: str, n: int = MATMUL_N, reps: int = 7) -> float:
     """Median FLOP/s of an n x n matmul on device 0 of the default backend."""
     x = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), jax.devices()[0])
@@ -57,8 +71,10 @@ def peak_flops(dtype: str) -> tuple[float, str]:
     else:
         how = "measured earlier, cached"
     per_host = cached[key]
-    return per_host * jax.process_count(), (
+    hosts = _host_count()
+    return per_host * hosts, (
         f"{how}: {MATMUL_N}x{MATMUL_N} {dtype} matmul on {device.platform} = {per_host / 1e9:.1f} GFLOP/s per host"
+        f" x {hosts} host{'s' if hosts > 1 else ''}"
     )
 
 

@@ -23,7 +23,7 @@ def lr_schedule(train_cfg) -> optax.Schedule:
         init_value=0.0,
         peak_value=train_cfg.learning_rate,
         warmup_steps=train_cfg.warmup_steps,
-        decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
+        decay_steps=max(train_cfg.schedule_steps or train_cfg.steps, train_cfg.warmup_steps + 1),
         end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio,
     )
 

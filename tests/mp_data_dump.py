@@ -1,0 +1,34 @@
+"""Run under spmd-launch: each process writes the rows of the global batch it loads (tests only)."""
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from spmd import distributed  # noqa: E402
+from spmd.cli import _env_host_devices, _set_host_devices  # noqa: E402
+
+out = pathlib.Path(sys.argv[1])
+_set_host_devices(_env_host_devices())
+distributed.initialize(argparse.Namespace(coordinator=None, num_processes=None, process_id=None,
+                                          init_timeout=60, heartbeat_timeout=30))
+from spmd.config import load_config  # noqa: E402
+from spmd.data import make_batches  # noqa: E402
+from spmd.mesh import build_mesh  # noqa: E402
+from spmd.rules import load_rules  # noqa: E402
+
+cfg = load_config("tiny", ["train.global_batch_size=16"])
+mesh = build_mesh(sys.argv[2])
+batches = make_batches(cfg, load_rules("fsdp").sharding(mesh, ("batch", "seq")))
+rows = batches.local_rows
+for step in range(3):
+    batch = batches.train_batch(step)
+    local = np.concatenate([np.asarray(s.data) for s in sorted(batch["inputs"].addressable_shards,
+                                                                key=lambda s: s.index[0].start or 0)
+                            if s.replica_id == 0])
+    np.save(out / f"p{jax.process_index()}_s{step}.npy", local)
+    np.save(out / f"p{jax.process_index()}_rows.npy", np.array([rows.start, rows.stop]))

@@ -1,0 +1,147 @@
+"""Several processes on loopback (jax.distributed, gloo): same losses, checkpoints across process counts,
+a killed process, bad coordinates, per-process data."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from spmd import checkpoint as ckpt
+from spmd.launch import free_port
+from test_cli import ROOT, spmd_train
+
+pytestmark = pytest.mark.slow
+# The schedule is fixed at 12 steps so that a run stopped at step 4 or 8 uses the same learning rates.
+TRAIN = [str(ROOT / "scripts" / "train.py"), "--config", "tiny", "--rules", "fsdp_tp", "--log-every", "1",
+         "--eval-every", "4", "--set", "train.schedule_steps=12"]
+
+
+def env():
+    return {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+
+
+def launch(processes, devices, *args, port=None, wait=True):
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", str(processes), "--host-devices",
+           str(devices)] + (["--port", str(port)] if port else []) + ["--", sys.executable, *TRAIN, *args]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
+    ea, eb = [r.get("eval_loss") for r in a], [r.get("eval_loss") for r in b]
+    assert [x is None for x in ea] == [x is None for x in eb]
+    np.testing.assert_allclose([x for x in ea if x], [x for x in eb if x], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """1 process x 8 devices, 12 steps: what every multi-process layout must reproduce."""
+    run_dir = tmp_path_factory.mktemp("mp") / "ref"
+    result = spmd_train(*TRAIN[1:], "--mesh", "data=2,fsdp=2,tensor=2", "--host-devices", "8", "--steps", "12",
+                        "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return records(run_dir)
+
+
+@pytest.mark.parametrize("mesh", [["--mesh", "data=2,fsdp=2,tensor=2"], ["--dcn-mesh", "data=2", "--mesh", "fsdp=2,tensor=2"]],
+                         ids=["global-mesh", "hybrid-dcn-mesh"])
+def test_two_processes_match_one(reference, tmp_path, mesh):
+    result = launch(2, 4, *mesh, "--steps", "12", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0] mesh: data=2,fsdp=2,tensor=2 over 8 cpu devices (2 processes)" in result.stderr
+    assert "[1] step" not in result.stderr  # only process 0 logs
+    assert_close(records(tmp_path / "run"), reference)
+
+
+def test_checkpoint_moves_between_process_counts(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["--mesh", "data=2,fsdp=2,tensor=2", "--checkpoint-every", "4", "--run-dir", str(run_dir)]
+    first = launch(2, 4, *common, "--steps", "4")  # 2 processes x 4 devices
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = spmd_train(*TRAIN[1:], *common, "--host-devices", "8", "--steps", "8")  # 1 x 8
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {run_dir / 'checkpoints'}/4" in second.stderr
+    third = launch(4, 2, *common, "--steps", "12")  # 4 x 2
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}/8" in third.stderr
+    assert_close(records(run_dir), reference)
+
+
+def _pid_of(port, process_id):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"SPMD_COORDINATOR=127.0.0.1:{port}".encode() in environ and f"SPMD_PROCESS_ID={process_id}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_killing_one_process_stops_the_job_and_a_relaunch_resumes(tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    proc = launch(2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", "100000", "--checkpoint-every", "3",
+                  "--run-dir", str(run_dir), port=port, wait=False)
+    deadline = time.time() + 300
+    while 6 not in ckpt.committed_steps(run_dir / "checkpoints"):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(_pid_of(port, 1), signal.SIGKILL)
+    killed = time.time()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - killed < 60, "the launcher must notice a dead process promptly"
+    assert "process 1 exited with -9" in stderr
+    last = ckpt.committed_steps(run_dir / "checkpoints")[-1]
+    verify = subprocess.run([sys.executable, str(ROOT / "scripts" / "ckpt.py"), "verify", str(run_dir / "checkpoints" / str(last))],
+                            capture_output=True, text=True, env=env())
+    assert verify.returncode == 0, verify.stderr
+    again = launch(2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", str(last + 2), "--run-dir", str(run_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}/{last}" in again.stderr
+
+
+def test_unreachable_coordinator_and_bad_process_id(tmp_path):
+    t = time.time()
+    result = spmd_train("--config", "tiny", "--host-devices", "4", "--coordinator", f"127.0.0.1:{free_port()}",
+                        "--num-processes", "2", "--process-id", "1", "--init-timeout", "5", "--run-dir", str(tmp_path / "a"))
+    assert result.returncode == 2 and time.time() - t < 60
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.stderr.strip() == errors[0]
+    assert "could not join the job" in errors[0] and "within 5s" in errors[0]
+    result = spmd_train("--config", "tiny", "--coordinator", "127.0.0.1:1234", "--num-processes", "2",
+                        "--process-id", "2", "--run-dir", str(tmp_path / "b"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --process-id 2 is out of range for 2 processes (0..1)"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2", "--host-devices", "4", "--",
+           sys.executable, str(ROOT / "tests" / "mp_data_dump.py"), str(tmp_path), "data=2,fsdp=4"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    from spmd.config import load_config
+    from spmd.data import make_batches
+    from spmd.mesh import build_mesh
+    from spmd.rules import load_rules
+
+    cfg = load_config("tiny", ["train.global_batch_size=16"])
+    single = make_batches(cfg, load_rules("fsdp").sharding(build_mesh("data=2,fsdp=4"), ("batch", "seq")))
+    rows = [tuple(np.load(tmp_path / f"p{i}_rows.npy")) for i in range(2)]
+    assert rows == [(0, 8), (8, 16)]
+    for step in range(3):
+        union = np.concatenate([np.load(tmp_path / f"p{i}_s{step}.npy") for i in range(2)])
+        np.testing.assert_array_equal(union, single.global_numpy_batch(step)[:, :-1])
