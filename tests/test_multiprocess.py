@@ -145,3 +145,18 @@ def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch
     for step in range(3):
         union = np.concatenate([np.load(tmp_path / f"p{i}_s{step}.npy") for i in range(2)])
         np.testing.assert_array_equal(union, single.global_numpy_batch(step)[:, :-1])
+
+
+def test_sigterm_to_the_launcher_saves_a_checkpoint_on_every_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", "100000", "--run-dir", str(run_dir), wait=False)
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() or len(records(run_dir)) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = ckpt.committed_steps(run_dir / "checkpoints")
+    assert len(steps) == 1 and steps[0] >= 3
+    assert f"[0] stopped by signal 15: checkpoint for step {steps[0]} committed" in stderr
