@@ -5,8 +5,19 @@ G query heads per kv head (N = K * G), H head dim, Q = G * T (a kv head's querie
 b = B * K (batch and kv heads merged).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from kernels.chunked_attention import chunked_attention
+from kernels.flash_attention import flash_attention
+from spmd.logical import per_shard
+
+Q_AXES = ("batch", "seq", "act_heads", "head_dim")
+KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")
+# On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
+CHUNKED_FROM = 1024
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT=None, k_positions_BS=None):
@@ -41,5 +52,32 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT
     return out_bQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-# Pallas flash, chunked and ring attention register here as their issues land.
-ATTENTION_IMPLS = {"xla": xla_attention}
+def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
+    """The Pallas flash kernel, run per device on its batch and head shards (GSPMD cannot split a
+    kernel call itself)."""
+    return per_shard(functools.partial(flash_attention, causal=causal), (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(
+        q_BTNH, k_BSKH, v_BSKH)
+
+
+ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": pallas_attention}
+CHOICES = (*ATTENTION_IMPLS, "auto")
+
+
+def resolve(name: str, seq_len: int, platform: str | None = None) -> str:
+    """The implementation `name` runs as: `auto` is pallas on GPU/TPU, else chunked from
+    CHUNKED_FROM positions and xla below. Raises ValueError where the choice cannot run."""
+    platform = platform or jax.devices()[0].platform
+    if name == "auto":
+        return "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else ("chunked" if seq_len >= CHUNKED_FROM else "xla")
+    if name == "pallas" and platform == "tpu":
+        raise ValueError("attention_impl=pallas is built and tested for GPU (Triton) and CPU (interpret mode), "
+                         "not TPU; use chunked or xla there")
+    return name
+
+
+def describe(name: str, seq_len: int, platform: str | None = None) -> str:
+    platform = platform or jax.devices()[0].platform
+    impl = resolve(name, seq_len, platform)
+    note = {"pallas": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Triton)",
+            "chunked": " (O(T) memory)", "xla": ""}[impl]
+    return (f"{name} -> {impl}" if name != impl else impl) + note

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import ATTENTION_IMPLS, xla_attention
+from models import attention
 from spmd.logical import constrain
 
 REMAT_POLICIES = {
@@ -86,9 +86,9 @@ class ModelConfig:
                 problems.append(f"model.{key} must be float32, bfloat16 or float16, got {getattr(self, key)!r}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
+        if self.attention_impl not in attention.CHOICES:
             problems.append(
-                f"model.attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}"
+                f"model.attention_impl must be one of {', '.join(attention.CHOICES)}, got {self.attention_impl!r}"
             )
         return problems
 
@@ -153,13 +153,14 @@ class Attention(nnx.Module):
         q_BTNH = rope(q_BTNH, positions_BT, self.cfg.rope_theta)
         k_BTKH = rope(k_BTKH, positions_BT, self.cfg.rope_theta)
         if kv is None:
-            out_BTNH = ATTENTION_IMPLS[self.cfg.attention_impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+            impl = attention.resolve(self.cfg.attention_impl, q_BTNH.shape[1])
+            out_BTNH = attention.ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
             new_kv = None
         else:
             k_BSKH, v_BSKH, positions_BS, index = kv
             k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
             v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
-            out_BTNH = xla_attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt),
+            out_BTNH = attention.xla_attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt),
                                      q_positions_BT=positions_BT, k_positions_BS=positions_BS)
             new_kv = (k_BSKH, v_BSKH)
         return project(out_BTNH, self.wo_NHD[...].astype(dt), n_in=2), new_kv  # BTNH,NHD->BTD

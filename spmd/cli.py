@@ -125,6 +125,12 @@ def run(args) -> int:
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     cfg = load_config(args.config, overrides)
+    from models import attention
+
+    try:
+        attention_desc = attention.describe(cfg.model.attention_impl, cfg.train.seq_len)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     mesh = build_mesh(args.mesh, args.dcn_mesh)
     rules = load_rules(args.rules)
     plan = sharding_lib.plan(cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len,
@@ -175,7 +181,7 @@ def run(args) -> int:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
         _log(f"config {cfg.name}: {count_params(cfg.model):,} params, {cfg.model.n_layers} layers, "
              f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
-        _log(f"attention: {cfg.model.attention_impl}")
+        _log(f"attention: {attention_desc}")
         _log(f"mesh: {format_mesh(dict(mesh.shape))} over {jax.device_count()} {jax.devices()[0].platform} devices "
              f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}); rules: {rules.name}")
         _log(f"per device: params {sharding_lib.fmt_bytes(plan.param_bytes_per_device)}, optimizer state "

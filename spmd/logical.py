@@ -29,3 +29,26 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
         return x
     rules, mesh = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical)))
+
+
+def per_shard(fn, in_logical, out_logical):
+    """`fn` applied to each device's shards (shard_map over the active mesh), for ops GSPMD cannot
+    partition by itself (Pallas kernels). Identity when no rules are active (one device, tests).
+
+    `in_logical` / `out_logical` give each argument's / the result's logical axes. Axes of size 1
+    are left out of the specs; a sharded `seq` axis is refused: per-shard attention would then see
+    only part of the sequence (that needs ring or all-to-all attention).
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return fn
+    rules, mesh = active
+    sizes = dict(mesh.shape)
+
+    def spec(logical):
+        if "seq" in logical and any(sizes[a] > 1 for a in rules.mapping.get("seq", ())):
+            raise ValueError(f"rules {rules.name!r} shard the sequence, which per-shard attention cannot handle")
+        return rules.spec(logical)
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(l) for l in in_logical), out_specs=spec(out_logical),
+                         check_vma=False)

@@ -1,0 +1,1 @@
+"""Attention kernels: Pallas flash attention and pure-JAX chunked attention, each with a reference."""

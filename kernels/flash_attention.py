@@ -1,0 +1,316 @@
+"""Flash attention in Pallas: blockwise online softmax forward, dq and dk/dv backward kernels.
+
+Legend: B batch, T query positions, S key positions, N query heads, K kv heads, G = N / K query
+heads per kv head, H head dim. Query head n reads kv head n // G (heads grouped contiguously), through
+the BlockSpec index maps: K and V are never repeated in memory.
+
+Backends: on GPU `pallas_call` lowers through Triton (the same kernel source that runs here in
+interpret mode on CPU; Mosaic GPU would need a separate Hopper-only kernel, bf16/f16 only). On TPU
+the kernel is untested. On CPU it runs in interpret mode (`interpret=True`), which is how the
+tests check it against `attention_reference`, the pure-JAX definition in this file.
+
+Returns the output and the log-sum-exp of each query's scores (B, N, T), fp32; gradients flow
+through both (the lse is what ring attention merges partial results with).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Finite "minus infinity": keeps fully masked rows free of inf - inf = NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two). Sequences are padded up to a multiple of them."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_bwd: int = 32
+    block_k_bwd: int = 32
+
+    def __post_init__(self):
+        for name, value in dataclasses.asdict(self).items():
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"BlockSizes.{name} must be a power of two, got {value}")
+
+
+def attention_reference(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None):
+    """Softmax attention written plainly (K/V repeated per query head): (out_BTNH, lse_BNT)."""
+    B, T, N, H = q_BTNH.shape
+    G = N // k_BSKH.shape[2]
+    scale = H**-0.5 if scale is None else scale
+    k_BSNH = jnp.repeat(k_BSKH, G, axis=2).astype(jnp.float32)
+    v_BSNH = jnp.repeat(v_BSKH, G, axis=2).astype(jnp.float32)
+    s_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH.astype(jnp.float32), k_BSNH) * scale
+    mask_BTS = _mask(T, k_BSKH.shape[1], causal, segment_ids_BT)
+    s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS, MASK_VALUE)
+    lse_BNT = jax.nn.logsumexp(s_BNTS, axis=-1)
+    out_BTNH = jnp.einsum("BNTS,BSNH->BTNH", jnp.exp(s_BNTS - lse_BNT[..., None]), v_BSNH)
+    return out_BTNH.astype(q_BTNH.dtype), lse_BNT
+
+
+def _mask(T, S, causal, segment_ids_BT):
+    mask = jnp.ones((1, T, S), bool)
+    if causal:
+        mask = mask & (jnp.arange(T)[:, None] >= jnp.arange(S)[None, :])[None]
+    if segment_ids_BT is not None:
+        mask = mask & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    return mask
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _block_mask(q_pos, k_pos, kv_len, causal, qseg, kseg):
+    mask = (k_pos < kv_len)[None, :]
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+    if qseg is not None:
+        mask = mask & (qseg[:, None] == kseg[None, :])
+    return mask
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, scale, causal, bq, bk, kv_len):
+    i = pl.program_id(2)
+    q_qH = q_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    qseg = None if qseg_ref is None else qseg_ref[...]
+
+    def body(j, carry):
+        acc_qH, m_q, l_q = carry
+        k_kH = k_ref[pl.ds(j * bk, bk), :]
+        v_kH = v_ref[pl.ds(j * bk, bk), :]
+        s_qk = jnp.dot(q_qH, k_kH.T, preferred_element_type=jnp.float32) * scale
+        kseg = None if kseg_ref is None else kseg_ref[pl.ds(j * bk, bk)]
+        s_qk = jnp.where(_block_mask(q_pos, j * bk + jnp.arange(bk), kv_len, causal, qseg, kseg), s_qk, MASK_VALUE)
+        m_new = jnp.maximum(m_q, s_qk.max(axis=-1))
+        p_qk = jnp.exp(s_qk - m_new[:, None])
+        correction = jnp.exp(m_q - m_new)
+        acc_qH = correction[:, None] * acc_qH + jnp.dot(p_qk.astype(v_kH.dtype), v_kH,
+                                                        preferred_element_type=jnp.float32)
+        return acc_qH, m_new, correction * l_q + p_qk.sum(axis=-1)
+
+    n_k = k_ref.shape[0] // bk
+    # Causal: key blocks entirely after this query block are never visited.
+    upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
+    init = (jnp.zeros(q_qH.shape, jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc_qH, m_q, l_q = jax.lax.fori_loop(0, upper, body, init)
+    o_ref[...] = (acc_qH / l_q[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m_q + jnp.log(l_q)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk,
+               kv_len):
+    i = pl.program_id(2)
+    q_qH, do_qH = q_ref[...], do_ref[...]
+    lse_q, delta_q = lse_ref[...], delta_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    qseg = None if qseg_ref is None else qseg_ref[...]
+
+    def body(j, dq_qH):
+        k_kH = k_ref[pl.ds(j * bk, bk), :]
+        v_kH = v_ref[pl.ds(j * bk, bk), :]
+        s_qk = jnp.dot(q_qH, k_kH.T, preferred_element_type=jnp.float32) * scale
+        kseg = None if kseg_ref is None else kseg_ref[pl.ds(j * bk, bk)]
+        mask = _block_mask(q_pos, j * bk + jnp.arange(bk), kv_len, causal, qseg, kseg)
+        p_qk = jnp.where(mask, jnp.exp(s_qk - lse_q[:, None]), 0.0)
+        dp_qk = jnp.dot(do_qH, v_kH.T, preferred_element_type=jnp.float32)
+        ds_qk = p_qk * (dp_qk - delta_q[:, None])
+        return dq_qH + jnp.dot(ds_qk.astype(k_kH.dtype), k_kH, preferred_element_type=jnp.float32)
+
+    n_k = k_ref.shape[0] // bk
+    upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
+    dq_qH = jax.lax.fori_loop(0, upper, body, jnp.zeros(q_qH.shape, jnp.float32))
+    dq_ref[...] = (dq_qH * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
+                bq, bk, kv_len, groups):
+    j = pl.program_id(2)
+    k_kH, v_kH = k_ref[...], v_ref[...]
+    k_pos = j * bk + jnp.arange(bk)
+    kseg = None if kseg_ref is None else kseg_ref[...]
+    n_q = q_ref.shape[0] // bq
+    # Causal: query blocks entirely before this key block contribute nothing.
+    lower = (j * bk) // bq if causal else 0
+
+    def body(i, carry, g):
+        dk_kH, dv_kH = carry
+        q_qH = q_ref[pl.ds(i * bq, bq), g, :]
+        do_qH = do_ref[pl.ds(i * bq, bq), g, :]
+        lse_q = lse_ref[g, pl.ds(i * bq, bq)]
+        delta_q = delta_ref[g, pl.ds(i * bq, bq)]
+        qseg = None if qseg_ref is None else qseg_ref[pl.ds(i * bq, bq)]
+        s_qk = jnp.dot(q_qH, k_kH.T, preferred_element_type=jnp.float32) * scale
+        mask = _block_mask(i * bq + jnp.arange(bq), k_pos, kv_len, causal, qseg, kseg)
+        p_qk = jnp.where(mask, jnp.exp(s_qk - lse_q[:, None]), 0.0)
+        dv_kH = dv_kH + jnp.dot(p_qk.T.astype(do_qH.dtype), do_qH, preferred_element_type=jnp.float32)
+        dp_qk = jnp.dot(do_qH, v_kH.T, preferred_element_type=jnp.float32)
+        ds_qk = p_qk * (dp_qk - delta_q[:, None])
+        dk_kH = dk_kH + jnp.dot(ds_qk.T.astype(q_qH.dtype), q_qH, preferred_element_type=jnp.float32)
+        return dk_kH, dv_kH
+
+    carry = (jnp.zeros(k_kH.shape, jnp.float32), jnp.zeros(v_kH.shape, jnp.float32))
+    for g in range(groups):  # the kv head's query heads, accumulated without repeating K/V
+        carry = jax.lax.fori_loop(lower, n_q, functools.partial(body, g=g), carry)
+    dk_ref[...] = (carry[0] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = carry[1].astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+
+
+def _pad_to(x, axis, multiple, value=0):
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _seg_specs(seg, block, index_q):
+    if seg is None:
+        return None, None
+    return seg, pl.BlockSpec((None, block), index_q)
+
+
+def _forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    bq, bk = min(bs.block_q, _ceil_pow2(T)), min(bs.block_k, _ceil_pow2(S))
+    qp, kp, vp = _pad_to(q, 1, bq), _pad_to(k, 1, bk), _pad_to(v, 1, bk)
+    Tp, Sp = qp.shape[1], kp.shape[1]
+    segq = None if seg is None else _pad_to(seg, 1, bq, -1)
+    segk = None if seg is None else _pad_to(seg, 1, bk, -2)
+    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S)
+    in_specs = [
+        pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, Sp, None, H), lambda b, n, i: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, Sp, None, H), lambda b, n, i: (b, 0, n // G, 0)),
+        None if seg is None else pl.BlockSpec((None, bq), lambda b, n, i: (b, i)),
+        None if seg is None else pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0)),
+    ]
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(B, N, Tp // bq),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+                   pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))],
+        out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
+        interpret=interpret,
+        name="flash_attention_fwd",
+    )(qp, kp, vp, segq, segk)
+    return o[:, :T], lse[:, :, :T]
+
+
+def _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes, interpret):
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    bq, bk = min(bs.block_q_bwd, _ceil_pow2(T)), min(bs.block_k_bwd, _ceil_pow2(S))
+    # delta = rowsum(dO * O); a cotangent on lse enters as -dlse (d lse / d s = softmax).
+    delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse
+    qp, dop = _pad_to(q, 1, bq), _pad_to(do, 1, bq)
+    kp, vp = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
+    lsep, deltap = _pad_to(lse, 2, bq), _pad_to(delta, 2, bq)
+    Tp, Sp = qp.shape[1], kp.shape[1]
+    segq = None if seg is None else _pad_to(seg, 1, max(bq, bk), -1)
+    segk = None if seg is None else _pad_to(seg, 1, max(bq, bk), -2)
+    common = dict(scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S)
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **common),
+        grid=(B, N, Tp // bq),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+            pl.BlockSpec((None, Sp, None, H), lambda b, n, i: (b, 0, n // G, 0)),
+            pl.BlockSpec((None, Sp, None, H), lambda b, n, i: (b, 0, n // G, 0)),
+            None if seg is None else pl.BlockSpec((None, bq), lambda b, n, i: (b, i)),
+            None if seg is None else pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0)),
+            pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
+            pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
+        ],
+        out_specs=pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(qp, kp, vp, None if seg is None else segq[:, :Tp], None if seg is None else segk[:, :Sp], dop, lsep, deltap)
+
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, groups=G, **common),
+        grid=(B, K, Sp // bk),
+        in_specs=[
+            pl.BlockSpec((None, Tp, G, H), lambda b, h, j: (b, 0, h, 0)),
+            pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0)),
+            pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0)),
+            None if seg is None else pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),
+            None if seg is None else pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
+            pl.BlockSpec((None, Tp, G, H), lambda b, h, j: (b, 0, h, 0)),
+            pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0)),
+            pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+        interpret=interpret,
+        name="flash_attention_dkv",
+    )(qp, kp, vp, None if seg is None else segq[:, :Tp], None if seg is None else segk[:, :Sp], dop, lsep, deltap)
+    return dq[:, :T], dk[:, :S], dv[:, :S]
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, seg, causal, scale, block_sizes, interpret):
+    return _forward(q, k, v, seg, causal, scale, block_sizes, interpret)
+
+
+def _flash_fwd(q, k, v, seg, causal, scale, block_sizes, interpret):
+    o, lse = _forward(q, k, v, seg, causal, scale, block_sizes, interpret)
+    return (o, lse), (q, k, v, seg, o, lse)
+
+
+def _flash_bwd(causal, scale, block_sizes, interpret, residuals, cotangents):
+    q, k, v, seg, o, lse = residuals
+    do, dlse = cotangents
+    dq, dk, dv = _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, block_sizes, interpret)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None,
+                             block_sizes: BlockSizes = BlockSizes(), interpret: bool | None = None):
+    """(out_BTNH, lse_BNT). `interpret` defaults to True on CPU (the only way Pallas runs there)."""
+    B, T, N, H = q_BTNH.shape
+    if k_BSKH.shape != v_BSKH.shape or k_BSKH.shape[0] != B or k_BSKH.shape[3] != H:
+        raise ValueError(f"flash_attention: k {k_BSKH.shape} and v {v_BSKH.shape} must be (B, S, K, H) for q {q_BTNH.shape}")
+    if N % k_BSKH.shape[2]:
+        raise ValueError(f"flash_attention: {N} query heads do not divide into {k_BSKH.shape[2]} kv heads")
+    if causal and k_BSKH.shape[1] != T:
+        raise ValueError("flash_attention: causal masking needs as many keys as queries")
+    if segment_ids_BT is not None and segment_ids_BT.shape != (B, T):
+        raise ValueError(f"flash_attention: segment_ids must be (B, T) = {(B, T)}, got {segment_ids_BT.shape}")
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    scale = H**-0.5 if scale is None else float(scale)
+    seg = None if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
+    return _flash(q_BTNH, k_BSKH, v_BSKH, seg, causal, scale, block_sizes, interpret)
+
+
+def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None,
+                    block_sizes: BlockSizes = BlockSizes(), interpret: bool | None = None):
+    """Attention output (B, T, N, H), memory O(T) in the sequence length."""
+    return flash_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BT=segment_ids_BT,
+                                    scale=scale, block_sizes=block_sizes, interpret=interpret)[0]
