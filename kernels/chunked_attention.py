@@ -32,6 +32,17 @@ def _chunk_mask(c, C, T, S, causal, seg_BT, segc_BC):
     return mask_BTC[:, None, None]  # (B, 1, 1, T, C): broadcast over K, G
 
 
+def _traced_zero(x):
+    """0 as int32, computed from `x`.
+
+    The chunk index starts from this instead of a constant. When this attention runs inside a
+    differentiated scan (the model's layers), JAX splits the forward into the part that depends
+    only on constants and the rest, and saves the former's per-iteration values: with a constant
+    index, every chunk's (T, C) mask was stacked up front, 1 GiB at T=8k: O(T^2) again.
+    """
+    return (jnp.sum(x[(0,) * x.ndim]) * 0).astype(jnp.int32)
+
+
 def _forward(q, k, v, seg, causal, scale, C):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -40,8 +51,8 @@ def _forward(q, k, v, seg, causal, scale, C):
     segc = None if seg is None else _chunks(seg, C)
 
     def step(carry, xs):
-        acc_BKGTH, m_BKGT, l_BKGT = carry
-        c, k_BCKH, v_BCKH, seg_BC = xs
+        acc_BKGTH, m_BKGT, l_BKGT, c = carry
+        k_BCKH, v_BCKH, seg_BC = xs
         s_BKGTC = jnp.einsum("BKGTH,BCKH->BKGTC", q_BKGTH, k_BCKH, preferred_element_type=jnp.float32) * scale
         s_BKGTC = jnp.where(_chunk_mask(c, C, T, S, causal, seg, seg_BC), s_BKGTC, MASK_VALUE)
         m_new = jnp.maximum(m_BKGT, s_BKGTC.max(axis=-1))
@@ -49,12 +60,12 @@ def _forward(q, k, v, seg, causal, scale, C):
         correction = jnp.exp(m_BKGT - m_new)
         pv_BKGTH = jnp.einsum("BKGTC,BCKH->BKGTH", p_BKGTC.astype(v_BCKH.dtype), v_BCKH,
                               preferred_element_type=jnp.float32)
-        return (correction[..., None] * acc_BKGTH + pv_BKGTH, m_new, correction * l_BKGT + p_BKGTC.sum(-1)), None
+        return (correction[..., None] * acc_BKGTH + pv_BKGTH, m_new, correction * l_BKGT + p_BKGTC.sum(-1), c + 1), None
 
     n = -(-S // C)
     init = (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.full((B, K, G, T), MASK_VALUE, jnp.float32),
-            jnp.zeros((B, K, G, T), jnp.float32))
-    (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(n), _chunks(k, C), _chunks(v, C), segc))
+            jnp.zeros((B, K, G, T), jnp.float32), _traced_zero(q))
+    (acc, m, l, _), _ = jax.lax.scan(step, init, (_chunks(k, C), _chunks(v, C), segc))
     out_BTNH = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
     return out_BTNH, (m + jnp.log(l)).reshape(B, N, T)
 
@@ -81,8 +92,9 @@ def _chunked_bwd(causal, scale, C, residuals, cotangents):
     delta_BKGT = (jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32)) - dlse).reshape(B, K, G, T)
     segc = None if seg is None else _chunks(seg, C)
 
-    def step(dq_BKGTH, xs):
-        c, k_BCKH, v_BCKH, seg_BC = xs
+    def step(carry, xs):
+        dq_BKGTH, c = carry
+        k_BCKH, v_BCKH, seg_BC = xs
         s_BKGTC = jnp.einsum("BKGTH,BCKH->BKGTC", q_BKGTH, k_BCKH, preferred_element_type=jnp.float32) * scale
         mask = _chunk_mask(c, C, T, S, causal, seg, seg_BC)
         p_BKGTC = jnp.where(mask, jnp.exp(s_BKGTC - lse_BKGT[..., None]), 0.0)
@@ -91,11 +103,11 @@ def _chunked_bwd(causal, scale, C, residuals, cotangents):
         ds_BKGTC = p_BKGTC * (dp_BKGTC - delta_BKGT[..., None])
         dq_BKGTH = dq_BKGTH + jnp.einsum("BKGTC,BCKH->BKGTH", ds_BKGTC, k_BCKH.astype(jnp.float32))
         dk_BCKH = jnp.einsum("BKGTC,BKGTH->BCKH", ds_BKGTC, q_BKGTH.astype(jnp.float32)) * scale
-        return dq_BKGTH, (dk_BCKH, dv_BCKH)
+        return (dq_BKGTH, c + 1), (dk_BCKH, dv_BCKH)
 
     n = -(-S // C)
-    dq, (dk_n, dv_n) = jax.lax.scan(step, jnp.zeros((B, K, G, T, H), jnp.float32),
-                                    (jnp.arange(n), _chunks(k, C), _chunks(v, C), segc))
+    (dq, _), (dk_n, dv_n) = jax.lax.scan(step, (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.zeros((), jnp.int32)),
+                                         (_chunks(k, C), _chunks(v, C), segc))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * C, K, H)[:, :S]  # noqa: E731
     dq_BTNH = (dq * scale).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return dq_BTNH.astype(q.dtype), unchunk(dk_n).astype(k.dtype), unchunk(dv_n).astype(v.dtype), None
