@@ -1,0 +1,159 @@
+"""Collectives in optimised HLO text: kind, mesh axes, bytes, and how often each runs per step.
+
+XLA's cost analysis counts a while-loop body once; here each instruction is weighted by the trip
+counts of every loop around it (`known_trip_count` in the loop's backend config), so a collective
+inside the scan over layers counts n_layers times.
+"""
+
+import collections
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_COMP_START = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]fn)?)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    axes: tuple[str, ...]  # mesh axes the devices of one group differ in
+    bytes: int  # result bytes per device, one execution
+    count: int  # executions per step (loop trip counts multiplied in)
+    computation: str  # the HLO computation it sits in
+    loop_trips: int  # product of the enclosing loops' trip counts (1: not in a loop)
+    name: str
+
+
+def shape_bytes(shape: str) -> int:
+    return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in _ARRAY.findall(shape))
+
+
+def _computations(text: str):
+    comps, entry, current = {}, None, None
+    for line in text.splitlines():
+        m = _COMP_START.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is not None:
+            if line.strip() == "}":
+                current = None
+            else:
+                comps[current].append(line)
+    return comps, entry
+
+
+def _multipliers(comps, entry) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation."""
+    mult = collections.defaultdict(int)
+    mult[entry] = 1
+    order = [entry]
+    seen = {entry}
+    while order:
+        comp = order.pop()
+        for line in comps.get(comp, []):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op, rest = m.group(3), m.group(4)
+            trips = 1
+            if op == "while":
+                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                trips = int(t.group(1)) if t else 1
+            for attr, callee in re.findall(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest):
+                factor = trips if attr in ("body", "condition") else 1
+                mult[callee] += mult[comp] * factor
+                if callee not in seen:
+                    seen.add(callee)
+                    order.append(callee)
+    return mult
+
+
+def _iota_groups(spec: str) -> np.ndarray | None:
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
+    if not m:
+        return None
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(g, s)
+
+
+def _groups(rest: str) -> list[list[int]] | None:
+    m = re.search(r"replica_groups=(\{\{[\d,{} ]*\}\})", rest)
+    if m:
+        return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(1)[1:-1])]
+    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)
+    if m:
+        return _iota_groups(m.group(1)).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if m:
+        sizes = [(n.strip("' "), int(v)) for n, v in (kv.split("=") for kv in m.group(1).split(","))]
+        along = [a.strip("' ") for a in m.group(2).split(",") if a.strip()]
+        ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
+        keep = [i for i, (n, _) in enumerate(sizes) if n in along]
+        other = [i for i in range(len(sizes)) if i not in keep]
+        return ids.transpose(other + keep).reshape(-1, math.prod(sizes[i][1] for i in keep) if keep else 1).tolist()
+    return None
+
+
+def _axes_of(groups, coords: dict[int, tuple[int, ...]], names) -> tuple[str, ...]:
+    varying = set()
+    for grp in groups:
+        for dev in grp[1:]:
+            varying |= {i for i, (a, b) in enumerate(zip(coords[grp[0]], coords[dev])) if a != b}
+    return tuple(names[i] for i in sorted(varying))
+
+
+def collectives(text: str, mesh) -> list[Collective]:
+    """Every collective instruction of the optimised module, with its mesh axes and per-step count."""
+    comps, entry = _computations(text)
+    mult = _multipliers(comps, entry)
+    names = tuple(mesh.axis_names)
+    coords = {int(d.id): tuple(int(c) for c in idx) for idx, d in np.ndenumerate(mesh.devices)}
+    out = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = m.group(3)
+            kind = op[:-len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS or mult.get(comp, 0) == 0:
+                continue
+            shape, rest = m.group(2), m.group(4)
+            arrays = _ARRAY.findall(shape)
+            if op.endswith("-start") and len(arrays) > 1:  # (operands..., results...): count the results
+                shape = " ".join(f"{dt}[{dims}]" for dt, dims in arrays[len(arrays) // 2:])
+            if kind == "collective-permute":
+                pairs = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", rest.split("source_target_pairs=")[-1])]
+                groups = [p for p in pairs if p[0] != p[1]]
+            else:
+                groups = _groups(rest) or []
+            axes = _axes_of(groups, coords, names) if groups else ()
+            trips = mult[comp]
+            out.append(Collective(kind, axes, shape_bytes(shape), trips, comp, trips, m.group(1)))
+    return out
+
+
+def summarize(items: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
+    """{(kind, axes): {"count": executions per step, "bytes": bytes per device per step}}."""
+    table = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for c in items:
+        row = table[(c.kind, c.axes)]
+        row["count"] += c.count
+        row["bytes"] += c.bytes * c.count
+    return dict(table)

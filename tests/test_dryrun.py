@@ -1,0 +1,59 @@
+"""spmd-dryrun: exact per-device bytes, collectives that scale with depth, errors."""
+
+import json
+import types
+
+import pytest
+
+from spmd import dryrun
+from test_cli import ROOT  # noqa: F401  (path setup shared with the CLI tests)
+from test_inference import run_script
+
+V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 192
+MATRICES = 4 * (V * D + D * V + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F))
+NORMS = 4 * (2 * L + 1) * D
+
+
+def report(mesh, rules, *sets):
+    args = types.SimpleNamespace(config="tiny", mesh=mesh, rules=rules, set=list(sets), list=False)
+    return dryrun.run(args)
+
+
+@pytest.mark.parametrize("mesh,rules,params", [
+    ("data=8", "dp", MATRICES + NORMS),
+    ("fsdp=8", "fsdp", MATRICES // 8 + NORMS),
+    ("data=4,tensor=2", "tp", MATRICES // 2 + NORMS),
+])
+def test_param_and_optimizer_bytes_are_exact(devices, mesh, rules, params):
+    r = report(mesh, rules)
+    got = r["per_device_bytes"]
+    assert got["params"] == params and got["gradients"] == params
+    assert got["optimizer_state"] == 2 * params + 8  # Adam mu and nu, plus two int32 step counts (Adam, schedule)
+    assert got["arguments"] >= params + 2 * params  # the compiled step really takes them as inputs
+
+
+def _counts(r):
+    return {(c["kind"], tuple(c["axes"])): c["count"] for c in r["collectives"]}
+
+
+def test_collectives_have_the_expected_kinds_and_scale_with_depth(devices):
+    fsdp2, fsdp4 = _counts(report("fsdp=8", "fsdp")), _counts(report("fsdp=8", "fsdp", "model.n_layers=4"))
+    assert fsdp2[("all-gather", ("fsdp",))] > 0
+    assert fsdp4[("all-gather", ("fsdp",))] > fsdp2[("all-gather", ("fsdp",))]
+    tp2, tp4 = _counts(report("data=4,tensor=2", "tp")), _counts(report("data=4,tensor=2", "tp", "model.n_layers=4"))
+    assert tp2[("all-reduce", ("tensor",))] > 0 and ("all-reduce", ("data",)) in tp2
+    assert tp4[("all-reduce", ("tensor",))] > tp2[("all-reduce", ("tensor",))]
+    dp = report("data=8", "dp")
+    assert set(_counts(dp)) == {("all-reduce", ("data",))}
+    # Gradients plus a few scalars (loss and token sums), nothing else.
+    assert dp["collective_volume_bytes"] == pytest.approx(dp["analytic_minimum_total"], rel=1e-4)
+
+
+def test_cli_json_and_errors(tmp_path):
+    r = run_script("dryrun", "--config", "tiny", "--host-devices", "8", "--mesh", "fsdp=8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["devices"] == 8
+    bad = run_script("dryrun", "--config", "tiny", "--host-devices", "8", "--mesh", "fsdp=3")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "8 are available" in bad.stderr
+    bad = run_script("dryrun", "--config", "tiny", "--host-devices", "8", "--rules", "zero3")
+    assert bad.returncode == 2 and "unknown rules preset 'zero3'" in bad.stderr
