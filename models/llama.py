@@ -22,7 +22,9 @@ from spmd.logical import constrain
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_saveable,
+    # Matmuls without batch axes: the projections (flattened to 2-D by `project`), not the
+    # attention scores, which are batched over (B, K) and would cost O(T^2) to keep.
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 # The only activations we constrain: the residual stream between layers and the logits.
