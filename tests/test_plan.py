@@ -1,0 +1,29 @@
+"""spmd-plan on a toy budget: tiny on 8 devices with too little memory for data parallelism."""
+
+import pytest
+
+from spmd.plan import parse_bytes
+from test_inference import run_script
+
+
+def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
+    r = run_script("plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "3MiB", "--hardware", "cpu",
+                   "--candidates", "9")
+    assert r.returncode == 0, r.stderr
+    best = [line for line in r.stdout.splitlines() if line.startswith("  1. ")]
+    assert best and "needs" in best[0] and "of 3.00 MiB" in best[0]
+    dp = [line for line in r.stdout.splitlines() if "--mesh data=8 --rules dp:" in line]
+    assert dp and "> budget 3.00 MiB" in dp[0]
+    assert "--rules dp" not in "\n".join(line for line in r.stdout.splitlines() if line.startswith("  1. "))
+    # kv_heads = 2 cannot split over tensor = 8: rejected with the reason, not silently skipped.
+    assert "--mesh tensor=8 --rules tp: layers/attn/wk_DKH: dimension 2 (kv_heads, size 2)" in r.stdout
+
+
+def test_bad_budget_is_an_error():
+    r = run_script("plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "lots")
+    assert r.returncode == 2 and r.stderr.startswith("error: --memory-per-device must look like 80GiB")
+
+
+@pytest.mark.parametrize("text,value", [("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("3MB", 3 * 2**20), ("100", 100)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
