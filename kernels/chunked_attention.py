@@ -62,7 +62,6 @@ def _forward(q, k, v, seg, causal, scale, C):
                               preferred_element_type=jnp.float32)
         return (correction[..., None] * acc_BKGTH + pv_BKGTH, m_new, correction * l_BKGT + p_BKGTC.sum(-1), c + 1), None
 
-    n = -(-S // C)
     init = (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.full((B, K, G, T), MASK_VALUE, jnp.float32),
             jnp.zeros((B, K, G, T), jnp.float32), _traced_zero(q))
     (acc, m, l, _), _ = jax.lax.scan(step, init, (_chunks(k, C), _chunks(v, C), segc))

@@ -1,9 +1,7 @@
 """`spmd-ckpt`: inspect, verify and reshard checkpoints."""
 
 import argparse
-import json
 import math
-import os
 import pathlib
 import sys
 

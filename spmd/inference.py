@@ -7,7 +7,6 @@ over tensor).
 
 import dataclasses
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp

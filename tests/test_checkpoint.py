@@ -1,6 +1,5 @@
 """Checkpoints restored onto other meshes, rules and device counts; compatibility errors; data position."""
 
-import dataclasses
 import types
 
 import jax

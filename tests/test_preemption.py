@@ -1,7 +1,6 @@
 """Kill the training process (SIGKILL, SIGTERM, two signals); the resumed run equals an uninterrupted one."""
 
 import json
-import pathlib
 import signal
 import subprocess
 import sys
