@@ -43,10 +43,8 @@ def cpu_memory(lengths):
             cfg = load_config("tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"])
             plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), 1, T)
             trainer = build_trainer(cfg, plan)
-            batch = {n: jax.ShapeDtypeStruct((1, T), jax.numpy.int32, sharding=plan.batch_sharding)
-                     for n in ("inputs", "targets")}
-            state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 trainer.abstract_state, trainer.state_shardings)
+            batch = trainer.abstract_batch(1, T)
+            state = trainer.abstract_state
             temps[impl] = trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
         print(f"| {T:,} | {fmt_bytes(temps['xla'])} | {fmt_bytes(temps['chunked'])} | "
               f"{temps['xla'] / temps['chunked']:.1f}x |", flush=True)

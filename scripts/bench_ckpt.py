@@ -79,7 +79,7 @@ def main() -> None:
         writer.close()
         save_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        restored, _ = ckpt.restore(run_dir / ckpt.SUBDIR, 1, trainer.abstract_state, trainer.state_shardings)
+        restored, _ = ckpt.restore(run_dir / ckpt.SUBDIR, 1, trainer.abstract_state)
         jax.block_until_ready(restored)
         restore_t.append(time.perf_counter() - t)
         shutil.rmtree(run_dir)

@@ -166,10 +166,10 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state) -> None
         raise UserError(f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have")
 
 
-def restore(directory: pathlib.Path, step: int, abstract_state, shardings) -> tuple[dict, dict]:
-    """(state with `shardings`, meta). Each device reads only the chunks of its shards."""
-    check_compatible(directory, step, abstract_state)
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
+def restore(directory: pathlib.Path, step: int, target) -> tuple[dict, dict]:
+    """(state laid out as `target`, meta); `target` holds ShapeDtypeStructs with the new shardings
+    (Trainer.abstract_state). Each device reads only the chunks of its shards."""
+    check_compatible(directory, step, target)
     manager = _manager(directory, read_only=True)
     try:
         with stderr_parked():

@@ -131,7 +131,7 @@ def reshard(args) -> int:
     dst = pathlib.Path(args.dst)
     if (dst / ckpt.SUBDIR / str(step)).exists():
         raise UserError(f"{dst / ckpt.SUBDIR / str(step)} already exists; pick another destination")
-    state, meta = ckpt.restore(directory, step, trainer.abstract_state, trainer.state_shardings)
+    state, meta = ckpt.restore(directory, step, trainer.abstract_state)
     meta["run"] = {**meta["run"], "mesh": {"spec": args.mesh, "dcn_spec": args.dcn_mesh, "shape": dict(mesh.shape)},
                    "rules": rules.to_json(),
                    "devices": {"count": jax.device_count(), "processes": jax.process_count(),

@@ -287,7 +287,7 @@ def _initial_state(args, cfg, trainer, batches, run_dir):
     if source is None:
         return trainer.init_state(), 0, warnings
     directory, step = source
-    state, meta = ckpt.restore(directory, step, trainer.abstract_state, trainer.state_shardings)
+    state, meta = ckpt.restore(directory, step, trainer.abstract_state)
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)
     warnings.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")

@@ -73,8 +73,6 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
 
 
 def run(args) -> dict:
-    import jax
-    import jax.numpy as jnp
 
     from models.llama import flops_per_token
     from spmd import hlo
@@ -91,9 +89,8 @@ def run(args) -> dict:
                              cfg.train.microbatches)
     trainer = build_trainer(cfg, plan)
     B, T = cfg.train.global_batch_size, cfg.train.seq_len
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         trainer.abstract_state, trainer.state_shardings)
-    batch = {n: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=plan.batch_sharding) for n in ("inputs", "targets")}
+    state = trainer.abstract_state
+    batch = trainer.abstract_batch(B, T)
     t0 = time.perf_counter()
     compiled = trainer.train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0

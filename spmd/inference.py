@@ -75,7 +75,7 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
     plan = sharding_lib.plan(cfg.model, mesh, rules, B, seq_len or cfg.train.seq_len)
     trainer = build_trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=B,
                                                                                  microbatches=1)), plan)
-    state, meta = ckpt.restore(directory, latest, trainer.abstract_state, trainer.state_shardings)
+    state, meta = ckpt.restore(directory, latest, trainer.abstract_state)
     return Loaded(cfg, latest, meta, trainer, state["params"])
 
 

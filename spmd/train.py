@@ -5,6 +5,7 @@ rules. The step takes and returns it with those shardings and donates the old on
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +74,15 @@ class Trainer:
     eval_step: object  # jitted (params, batch) -> (ce_sum, count)
     init_state: object  # jitted () -> state
 
-    @property
+    @functools.cached_property
     def abstract_state(self):
-        return jax.eval_shape(self.init_state)
+        """The state as ShapeDtypeStructs carrying its shardings: a restore target, a compile input."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(self.init_state), self.state_shardings)
+
+    def abstract_batch(self, batch: int, seq_len: int) -> Batch:
+        return {name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
+                for name in ("inputs", "targets")}
 
 
 def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:

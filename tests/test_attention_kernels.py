@@ -109,9 +109,8 @@ def test_chunked_train_step_memory_grows_linearly(devices):
         cfg = load_config("tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"])
         plan = sharding_lib.plan(cfg.model, build_mesh("", devices=jax.devices()[:1]), load_rules("dp"), 1, T)
         trainer = build_trainer(cfg, plan)
-        batch = {n: jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=plan.batch_sharding) for n in ("inputs", "targets")}
-        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             trainer.abstract_state, trainer.state_shardings)
+        batch = trainer.abstract_batch(1, T)
+        state = trainer.abstract_state
         return trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("chunked", 4096) / temp_bytes("chunked", 2048) < 2.2

@@ -53,7 +53,7 @@ def test_reshard_on_restore(tiny_cfg, devices, tmp_path, a, b):
     _, unmoved_losses = train(trainer_a, batches_a, state, range(3, 6))
 
     trainer_b, batches_b = setup(tiny_cfg, *b)
-    restored, meta = ckpt.restore(tmp_path / ckpt.SUBDIR, 3, trainer_b.abstract_state, trainer_b.state_shardings)
+    restored, meta = ckpt.restore(tmp_path / ckpt.SUBDIR, 3, trainer_b.abstract_state)
     assert meta["consumed_samples"] == 24
     for x, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(trainer_b.state_shardings)):
         np.testing.assert_array_equal(np.asarray(x), want)
@@ -69,7 +69,7 @@ def test_shape_mismatch_names_the_parameter(tiny_cfg, devices, tmp_path):
     other = load_config("tiny", ["model.d_ff=128"])
     trainer_b, _ = setup(other, "fsdp=8", "fsdp", 8)
     with pytest.raises(UserError, match=r"layers/mlp/w_down_FD has shape \(2, 192, 64\) but this config needs \(2, 128, 64\)"):
-        ckpt.restore(tmp_path / ckpt.SUBDIR, 0, trainer_b.abstract_state, trainer_b.state_shardings)
+        ckpt.restore(tmp_path / ckpt.SUBDIR, 0, trainer_b.abstract_state)
 
 
 def test_locate_errors(tmp_path):

@@ -47,7 +47,7 @@ def final_params(run_dir, step):
     cfg = load_config("tiny")
     plan = sharding_lib.plan(cfg.model, build_mesh("", devices=jax.devices()[:1]), load_rules("dp"), 8, 64)
     trainer = build_trainer(cfg, plan)
-    state, _ = ckpt.restore(run_dir / ckpt.SUBDIR, step, trainer.abstract_state, trainer.state_shardings)
+    state, _ = ckpt.restore(run_dir / ckpt.SUBDIR, step, trainer.abstract_state)
     return jax.tree.map(np.asarray, jax.device_get(state))
 
 
