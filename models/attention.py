@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from kernels.chunked_attention import chunked_attention
 from kernels.flash_attention import flash_attention
+from spmd import context
 from spmd.logical import per_shard
 
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")
@@ -60,6 +61,19 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
 
 
 ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": pallas_attention}
+# What each implementation runs on one device's whole sequence (inside context parallelism's
+# shard_map, where the Pallas kernel is called directly).
+LOCAL_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": flash_attention}
+
+
+def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str):
+    """Causal self-attention of one training sequence. When the active sharding rules split the
+    sequence over devices, context parallelism (ring, Ulysses or all-gather) takes over; the tokens'
+    positions then define the mask, since the sequence may be permuted for load balance."""
+    if context.active() is not None:
+        return context.context_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, causal=True,
+                                         local_impl=LOCAL_IMPLS[impl])
+    return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
 CHOICES = (*ATTENTION_IMPLS, "auto")
 
 

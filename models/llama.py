@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import attention
-from spmd.logical import constrain
+from spmd.logical import can_merge, constrain
 
 REMAT_POLICIES = {
     "none": None,
@@ -27,9 +27,10 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-# The only activations we constrain: the residual stream between layers and the logits.
-# Everything else the partitioner infers from the parameters.
-RESIDUAL_AXES = ("batch", "seq", "act_embed")
+# The only activations we constrain: the residual stream and the logits. Everything else the
+# partitioner infers from the parameters. The residual's sequence axis has its own name, `act_seq`,
+# so rules can split it where attention and MLP internals are not (Megatron sequence parallelism).
+RESIDUAL_AXES = ("batch", "act_seq", "act_embed")
 LOGITS_AXES = ("batch", "seq", "act_vocab")
 KV_CACHE_AXES = ("layers", "batch", "seq", "act_kv_heads", "head_dim")
 
@@ -95,14 +96,18 @@ class ModelConfig:
         return problems
 
 
-def project(x, w, n_in: int = 1):
+def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
     """Contract the last `n_in` axes of x with the first `n_in` axes of w, as one 2-D matmul.
 
     Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
     contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands: the
     `small` MLP's backward took 1.5x longer, so we flatten. On GPU/TPU this is free either way.
+    When the sequence is split over devices (context parallelism) flattening (B, T) would scatter
+    each device's tokens across the merged axis, so the dot keeps the leading axes instead.
     """
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
+    if not can_merge(lead_axes):
+        return jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
     y = x.reshape(math.prod(lead), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
     return y.reshape(*lead, *out)
 
@@ -156,7 +161,7 @@ class Attention(nnx.Module):
         k_BTKH = rope(k_BTKH, positions_BT, self.cfg.rope_theta)
         if kv is None:
             impl = attention.resolve(self.cfg.attention_impl, q_BTNH.shape[1])
-            out_BTNH = attention.ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+            out_BTNH = attention.attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl)
             new_kv = None
         else:
             k_BSKH, v_BSKH, positions_BS, index = kv
@@ -193,7 +198,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, kv=None):
         attn_BTD, new_kv = self.attn(self.attn_norm(x_BTD), positions_BT, kv)
-        x_BTD = x_BTD + attn_BTD
+        x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL_AXES)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), new_kv
 
 

@@ -132,7 +132,7 @@ def run(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     mesh = build_mesh(args.mesh, args.dcn_mesh)
-    rules = load_rules(args.rules)
+    rules = load_rules(args.rules).with_attention(cfg.attention)
     plan = sharding_lib.plan(cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len,
                              cfg.train.microbatches)
     trainer = build_trainer(cfg, plan)

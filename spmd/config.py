@@ -1,7 +1,7 @@
 """Run configuration: frozen dataclasses, loaded from `configs/<name>.toml` plus `--set` overrides.
 
-A config file has up to three tables, `[model]`, `[train]` and `[data]`; keys it leaves out take
-the defaults below. `--set train.learning_rate=1e-3` overrides one key, parsed to the key's type.
+A config file has up to five tables, `[model]`, `[train]`, `[data]`, `[checkpoint]` and
+`[attention]`; keys it leaves out take the defaults below. `--set train.learning_rate=1e-3` overrides one key, parsed to the key's type.
 """
 
 import dataclasses
@@ -11,6 +11,7 @@ import typing
 
 from models.llama import ModelConfig
 from spmd.errors import UserError, closest
+from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -93,18 +94,38 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How attention runs when the rules shard the sequence (context parallelism); "" keeps what
+    the rules file says (cp_ring: ring + zigzag, cp_ulysses: ulysses, allgather: allgather)."""
+
+    context_parallel: str = ""  # ring | ulysses | allgather
+    load_balance: str = ""  # zigzag | striped | contiguous (ring and allgather; Ulysses needs none)
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.context_parallel not in ("", *CONTEXT_PARALLEL):
+            problems.append(f"attention.context_parallel must be one of {', '.join(CONTEXT_PARALLEL)}, "
+                            f"got {self.context_parallel!r}")
+        if self.load_balance not in ("", *LOAD_BALANCE):
+            problems.append(f"attention.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {self.load_balance!r}")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
+    attention: AttentionConfig = AttentionConfig()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+            "attention": AttentionConfig}
 
 
 def presets() -> list[str]:
@@ -178,7 +199,7 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     for section, table in doc.items():
         if section not in SECTIONS or not isinstance(table, dict):
             raise UserError(f"unknown section {section!r} in config {str(path)!r}{closest(section, SECTIONS)}; "
-                            f"sections are [model], [train], [data], [checkpoint]")
+                            f"sections are {', '.join(f'[{s}]' for s in SECTIONS)}")
         for leaf, value in table.items():
             _set(tree, f"{section}.{leaf}", value, str(path))
     for item in overrides:

@@ -84,7 +84,7 @@ def run(args) -> dict:
 
     cfg = load_config(args.config, args.set)
     mesh = build_mesh(args.mesh)
-    rules = load_rules(args.rules)
+    rules = load_rules(args.rules).with_attention(cfg.attention)
     plan = sharding_lib.plan(cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len,
                              cfg.train.microbatches)
     trainer = build_trainer(cfg, plan)

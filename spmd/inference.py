@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from models.llama import KV_CACHE_AXES, KVCache
 from spmd import checkpoint as ckpt
 from spmd import sharding as sharding_lib
-from spmd.config import config_from_json
+from spmd.config import SECTIONS, config_from_json
 from spmd.errors import UserError
 from spmd.logical import activation_sharding
 from spmd.mesh import build_mesh
@@ -62,13 +62,13 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
     if overrides:
         from spmd.config import _set
 
-        tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in ("model", "train", "data", "checkpoint")}
+        tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}
         for item in overrides:
             key, _, value = item.partition("=")
             _set(tree, key, value, "--set")
         cfg = config_from_json({"name": cfg.name, **tree})
     mesh = build_mesh(mesh_spec)
-    rules = load_rules(rules_name or default_rules(meta))
+    rules = load_rules(rules_name or default_rules(meta)).with_attention(cfg.attention)
     # batch 0: the smallest batch the mesh can split (sampling pads its prompts up to a multiple).
     B = batch if batch is not None else cfg.train.global_batch_size
     B = B or math.prod(dict(mesh.shape)[a] for a in rules.mapping.get("batch", ()))

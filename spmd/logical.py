@@ -31,6 +31,17 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical)))
 
 
+def can_merge(logical: tuple[str, ...]) -> bool:
+    """Whether adjacent dimensions with these logical names can be flattened into one without
+    moving data: true unless a dimension after the first is split over devices."""
+    active = _ACTIVE.get()
+    if active is None:
+        return True
+    rules, mesh = active
+    sizes = dict(mesh.shape)
+    return not any(sizes[a] > 1 for name in logical[1:] for a in rules.mapping.get(name, ()))
+
+
 def per_shard(fn, in_logical, out_logical):
     """`fn` applied to each device's shards (shard_map over the active mesh), for ops GSPMD cannot
     partition by itself (Pallas kernels). Identity when no rules are active (one device, tests).

@@ -81,7 +81,7 @@ def enumerate_candidates(cfg, n: int):
             if not used <= axes or not REQUIRED[preset] <= used:
                 continue
             try:
-                plan = sharding_lib.plan(cfg.model, build_mesh(spec), load_rules(preset), cfg.train.global_batch_size,
+                plan = sharding_lib.plan(cfg.model, build_mesh(spec), load_rules(preset).with_attention(cfg.attention), cfg.train.global_batch_size,
                                          cfg.train.seq_len, cfg.train.microbatches)
                 yield spec, preset, plan, None
             except UserError as e:

@@ -31,8 +31,11 @@ LOGICAL_AXES = (
     # parameters
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers", "expert",
     # activations
-    "batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
+    "batch", "seq", "act_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
 )
+
+CONTEXT_PARALLEL = ("ring", "ulysses", "allgather")
+LOAD_BALANCE = ("zigzag", "striped", "contiguous")
 
 
 def presets() -> list[str]:
@@ -45,12 +48,25 @@ class Rules:
     description: str
     mapping: dict[str, tuple[str, ...]]  # logical name -> mesh axes (empty: replicated)
     replicated_params_ok: bool = False  # e.g. dp: replication is the point, so don't warn
+    # How attention sees keys on other devices when `seq` is sharded (spmd/context.py), and the
+    # sequence layout that balances causal work. Config [attention] keys override both.
+    context_parallel: str = "ring"  # ring | ulysses | allgather
+    load_balance: str = "zigzag"  # zigzag | striped | contiguous
+
+    def with_attention(self, attention_cfg) -> "Rules":
+        """These rules with the config's [attention] overrides applied."""
+        changes = {k: getattr(attention_cfg, k) for k in ("context_parallel", "load_balance")
+                   if getattr(attention_cfg, k)}
+        return dataclasses.replace(self, **changes) if changes else self
 
     def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
         """PartitionSpec for a tuple of logical names (None: replicated dimension)."""
         out = []
         for name in logical:
-            axes = () if name is None else self.mapping[name]
+            # A tuple of names is a dimension that merges several (e.g. batch and seq flattened
+            # into tokens): split over all their mesh axes, major to minor.
+            names = () if name is None else (name,) if isinstance(name, str) else name
+            axes = tuple(a for n in names for a in self.mapping[n])
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*out)
 
@@ -59,6 +75,7 @@ class Rules:
 
     def to_json(self) -> dict:
         return {"name": self.name, "description": self.description,
+                "context_parallel": self.context_parallel, "load_balance": self.load_balance,
                 "rules": {k: list(v) for k, v in self.mapping.items()}}
 
 
@@ -78,13 +95,14 @@ def load_rules(name_or_path: str) -> Rules:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"rules file {str(path)!r} is not valid TOML: {e}") from None
-    unknown_top = set(doc) - {"description", "replicated_params_ok", "rules"}
+    top_keys = ["description", "replicated_params_ok", "context_parallel", "load_balance", "rules"]
+    unknown_top = set(doc) - set(top_keys)
     if unknown_top:
         key = sorted(unknown_top)[0]
-        raise UserError(
-            f"unknown key {key!r} in rules file {str(path)!r}"
-            f"{closest(key, ['description', 'replicated_params_ok', 'rules'])}"
-        )
+        raise UserError(f"unknown key {key!r} in rules file {str(path)!r}{closest(key, top_keys)}")
+    for key, choices in (("context_parallel", CONTEXT_PARALLEL), ("load_balance", LOAD_BALANCE)):
+        if key in doc and doc[key] not in choices:
+            raise UserError(f"rules file {str(path)!r}: {key} must be one of {', '.join(choices)}, got {doc[key]!r}")
     table = doc.get("rules")
     if not isinstance(table, dict):
         raise UserError(f"rules file {str(path)!r} needs a [rules] table mapping logical axes to mesh axes")
@@ -116,6 +134,8 @@ def load_rules(name_or_path: str) -> Rules:
         description=str(doc.get("description", "")),
         mapping=mapping,
         replicated_params_ok=bool(doc.get("replicated_params_ok", False)),
+        context_parallel=doc.get("context_parallel", "ring"),
+        load_balance=doc.get("load_balance", "zigzag"),
     )
 
 

@@ -10,7 +10,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.llama import Decoder
+from spmd import context
 from spmd import rules as rules_lib
+from spmd.errors import UserError
 
 # Share of parameter bytes that may stay replicated on a multi-device mesh before we warn.
 REPLICATED_WARN_FRACTION = 0.02
@@ -112,11 +114,15 @@ def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_le
     specs = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
     shapes = {p: tuple(v.shape) for p, v in flat}
     batch_logical = ("batch", "seq")
-    act_specs = dict(Decoder.ACTIVATION_AXES)
-    act_specs["batch tokens"] = batch_logical
+    act_specs = {"batch tokens": batch_logical, **Decoder.ACTIVATION_AXES}
     micro = global_batch_size // microbatches
-    act_shapes = {"batch tokens": (micro, seq_len)}
+    act_shapes = {"batch tokens": (micro, seq_len),
+                  "activation residual_BTD": (micro, seq_len, model_cfg.d_model),
+                  "activation logits_BTV": (micro, seq_len, model_cfg.vocab_size)}
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
+    problems = context.check(rules, mesh, model_cfg.n_heads, model_cfg.n_kv_heads, seq_len)
+    if problems:
+        raise UserError(problems[0])
 
     infos = []
     for p, v in flat:

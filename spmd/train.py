@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd import context
 from spmd import sharding as sharding_lib
 from spmd.logical import activation_sharding
 
@@ -48,10 +49,16 @@ def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
     )
 
 
-def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int):
-    """Sums over the batch's counted tokens: (cross-entropy + z-loss, cross-entropy, z-loss, count)."""
-    logits_BTV = nnx.merge(graphdef, params)(batch["inputs"]).astype(jnp.float32)
-    targets_BT = batch["targets"]
+def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None):
+    """Sums over the batch's counted tokens: (cross-entropy + z-loss, cross-entropy, z-loss, count).
+
+    `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
+    model gets each token's true position, and the sums do not depend on the order."""
+    inputs_BT, targets_BT, positions_BT = batch["inputs"], batch["targets"], None
+    if seq_perm is not None:
+        inputs_BT, targets_BT = inputs_BT[:, seq_perm], targets_BT[:, seq_perm]
+        positions_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
+    logits_BTV = nnx.merge(graphdef, params)(inputs_BT, positions_BT).astype(jnp.float32)
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
     mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
     mask_BT = mask_BT.astype(jnp.float32)
@@ -102,9 +109,10 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         params = sharding_lib.init_params(cfg.model, tcfg.seed)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
     losses = jax.value_and_grad(
         lambda params, batch: token_losses(graphdef, params, batch, z_loss=tcfg.z_loss,
-                                           mask_token_id=cfg.data.mask_token_id),
+                                           mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm),
         has_aux=True,
     )
     k = tcfg.microbatches
@@ -150,7 +158,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     def eval_step(params, batch: Batch):
         with activation_sharding(rules, mesh):
             _, (ce_sum, _, count) = token_losses(graphdef, params, batch, z_loss=0.0,
-                                                 mask_token_id=cfg.data.mask_token_id)
+                                                 mask_token_id=cfg.data.mask_token_id,
+                                                 seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]))
         return ce_sum, count
 
     batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}

@@ -1,10 +1,14 @@
-"""Every preset on 8 devices trains `tiny` exactly like one device (fp32)."""
+"""Every preset on 8 devices trains `tiny` exactly like one device (fp32): data, FSDP, tensor,
+sequence and context parallelism and their combinations."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from conftest import run_training
+from spmd.config import AttentionConfig
 
 LAYOUTS = [
     ("dp", "data=8"),
@@ -12,13 +16,28 @@ LAYOUTS = [
     ("tp", "data=4,tensor=2"),
     ("fsdp_tp", "fsdp=4,tensor=2"),
     ("fsdp_tp", "data=2,fsdp=2,tensor=2"),
+    # Megatron sequence parallelism.
+    ("tp_sp", "data=4,tensor=2"),
+    ("fsdp_tp_sp", "fsdp=4,tensor=2"),
+    # Context parallelism (the sequence split over `context`), alone and with fsdp and tensor.
+    ("cp_ring", "context=8"),
+    ("cp_ring", "fsdp=2,context=4"),
+    ("cp_ring", "fsdp=2,tensor=2,context=2"),
+    ("cp_ulysses", "data=4,context=2"),
+    ("cp_ulysses", "fsdp=4,context=2"),
+    ("allgather", "fsdp=2,context=4"),
+    ("cp_ring:striped", "data=2,context=4"),
 ]
 
 
 @pytest.mark.parametrize("rules,mesh", LAYOUTS, ids=[f"{r}-{m}" for r, m in LAYOUTS])
 def test_matches_single_device(tiny_cfg, single_device_run, devices, rules, mesh):
     ref_losses, ref_params, _ = single_device_run
-    losses, params, trainer = run_training(tiny_cfg, mesh, rules, 10)
+    rules, _, layout = rules.partition(":")
+    cfg = tiny_cfg
+    if layout:
+        cfg = dataclasses.replace(cfg, attention=AttentionConfig(load_balance=layout))
+    losses, params, trainer = run_training(cfg, mesh, rules, 10)
     assert trainer.plan.mesh.size == 8
     assert losses[-1] < losses[0] - 0.5, "tiny should learn within 10 steps"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -1,0 +1,263 @@
+"""Ring attention over a sequence-sharded mesh axis, with load-balanced causal layouts.
+
+Runs inside `shard_map`: each device holds a slice of the sequence (queries, keys, values, the
+tokens' positions and segment ids). K/V blocks travel around the ring with `ppermute`; each step
+attends the local queries to the visiting block and merges the partial softmax by its running
+max and sum (online softmax), so no device ever holds more than two K/V blocks. The backward is a
+second ring pass (custom_vjp) that recomputes each block's probabilities from the saved
+log-sum-exp; the dK/dV accumulators travel with their blocks and arrive home after n hops.
+
+Masks come from the tokens' *positions*, not their index in the local array, so any permutation
+of the sequence works: contiguous, zigzag (device i holds chunks i and 2n-1-i of 2n) or striped
+(device i holds tokens i, i+n, ...). Each local slice is split into `sub_chunks` pieces and a
+(query piece, key piece) pair that causality masks out entirely is skipped with `lax.cond`:
+under zigzag every device then computes the same number of pieces (see `computed_blocks`).
+
+Legend: B batch, t local query positions, s local key positions, K kv heads, G query heads per kv
+head, H head dim, N = K*G. `masked_attention` is the pure-JAX reference (and the block op used
+by all-gather and Ulysses context parallelism).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.chunked_attention import _traced_zero
+from kernels.flash_attention import MASK_VALUE
+
+LAYOUTS = ("zigzag", "striped", "contiguous")
+
+
+def layout_permutation(T: int, n: int, layout: str) -> np.ndarray:
+    """Sequence order for n devices: device i's slice of the permuted sequence is
+    perm[i*T/n:(i+1)*T/n]; perm[j] is the original position of permuted slot j."""
+    if layout == "contiguous" or n == 1:
+        return np.arange(T)
+    if layout == "striped":
+        if T % n:
+            raise ValueError(f"striped layout needs T ({T}) divisible by {n}")
+        return np.arange(T).reshape(T // n, n).T.reshape(-1)
+    if layout == "zigzag":
+        if T % (2 * n):
+            raise ValueError(f"zigzag layout needs T ({T}) divisible by 2 x {n}")
+        chunks = np.arange(T).reshape(2 * n, T // (2 * n))
+        return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def sub_chunks(layout: str) -> int:
+    """Pieces per local slice that make masked-out blocks skippable: zigzag's two chunks."""
+    return 2 if layout == "zigzag" else 1
+
+
+def visible(qpos, kpos):
+    """Whether any key in `kpos` is at or before any query in `qpos` (causal): the skip test."""
+    return jnp.min(kpos) <= jnp.max(qpos)
+
+
+def computed_blocks(T: int, n: int, layout: str, pieces: int | None = None) -> list[int]:
+    """(query piece, key piece) pairs each device computes in a causal ring pass: the load balance."""
+    perm = layout_permutation(T, n, layout)
+    c = sub_chunks(layout) if pieces is None else pieces
+    local = perm.reshape(n, c, -1)  # device, piece, positions
+    return [sum(bool(visible(local[i, a], local[j, b])) for j in range(n) for a in range(c) for b in range(c))
+            for i in range(n)]
+
+
+def _mask(qpos_Bt, kpos_Bs, qseg_Bt, kseg_Bs, causal):
+    mask_Bts = jnp.ones((qpos_Bt.shape[0], qpos_Bt.shape[1], kpos_Bs.shape[1]), bool)
+    if causal:
+        mask_Bts = kpos_Bs[:, None, :] <= qpos_Bt[:, :, None]
+    if qseg_Bt is not None:
+        mask_Bts = mask_Bts & (qseg_Bt[:, :, None] == kseg_Bs[:, None, :])
+    return mask_Bts
+
+
+def _scores(q_BtKGH, k_BsKH, qpos, kpos, qseg, kseg, causal, scale):
+    s_BKGts = jnp.einsum("BtKGH,BsKH->BKGts", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32) * scale
+    mask_Bts = _mask(qpos, kpos, qseg, kseg, causal)
+    return s_BKGts, mask_Bts[:, None, None]
+
+
+def masked_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, causal=True,
+                     scale=None):
+    """Plain softmax attention with masks from positions and segment ids: the reference."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    scale = H**-0.5 if scale is None else scale
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    s, mask = _scores(q_BTKGH, k_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, causal, scale)
+    p_BKGTS = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=jnp.float32)
+    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def _split(x, c, axis=1):
+    return jnp.split(x, c, axis=axis) if c > 1 else [x]
+
+
+def _rotate(xs, axis_name, n):
+    """Send every array to the next device on the ring (device i -> i+1)."""
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, axis_name, perm), xs,
+                        is_leaf=lambda x: x is None)
+
+
+def _key_chunks(x, C):
+    """(B, s, ...) -> (s/C, B, C, ...): the visiting block's keys in chunks of C, for a scan."""
+    if x is None:
+        return None
+    return x.reshape(x.shape[0], x.shape[1] // C, C, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _unchunk(x):
+    return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale):
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    q_pieces = _split(q.reshape(B, T, K, G, H), c)
+    qpos_p, qseg_p = _split(qpos, c), _split(qseg, c) if qseg is not None else [None] * c
+    t = T // c
+    # Online-softmax state per query piece: running max m, sum l (BKGt), unnormalised output o.
+    state = [(jnp.full((B, K, G, t), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, t), jnp.float32),
+              jnp.zeros((B, t, K, G, H), jnp.float32)) for _ in range(c)]
+
+    def attend_chunk(state, chunk):
+        k_c, v_c, kpos_c, kseg_c = chunk
+        new = []
+        for a in range(c):
+            def update(st, a=a):
+                m, l, o = st
+                s, mask = _scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale)
+                s = jnp.where(mask, s, MASK_VALUE)
+                m_new = jnp.maximum(m, s.max(-1))
+                p = jnp.exp(s - m_new[..., None])
+                alpha = jnp.exp(m - m_new)
+                pv = jnp.einsum("BKGts,BsKH->BtKGH", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
+                return m_new, alpha * l + p.sum(-1), o * alpha.transpose(0, 3, 1, 2)[..., None] + pv
+
+            # Skip (query piece, key chunk) pairs that causality masks out entirely.
+            new.append(jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda st: st, state[a]) if causal
+                       else update(state[a]))
+        return new, None
+
+    def attend_block(state, kv):
+        chunks = tuple(_key_chunks(x, C) for x in kv)
+        return jax.lax.scan(attend_chunk, state, chunks)[0]
+
+    def ring_step(_, carry):
+        state, kv = carry
+        return attend_block(state, kv), _rotate(kv, axis_name, n)
+
+    # n - 1 steps that attend and pass the block on; the last block is attended and kept.
+    state, kv = jax.lax.fori_loop(0, n - 1, ring_step, (state, (k, v, kpos, kseg)))
+    state = attend_block(state, kv)
+    outs, lses = [], []
+    for m, l, o in state:
+        outs.append(o / l.transpose(0, 3, 1, 2)[..., None])
+        lses.append(m + jnp.log(l))
+    out = jnp.concatenate(outs, axis=1).reshape(B, T, N, H).astype(q.dtype)
+    return out, jnp.concatenate(lses, axis=-1)  # lse: B K G T
+
+
+def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, C, scale):
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    do = dout.reshape(B, T, K, G, H).astype(jnp.float32)
+    delta_BKGT = jnp.einsum("BTKGH,BTKGH->BKGT", do, out.reshape(B, T, K, G, H).astype(jnp.float32))
+    q_pieces, do_p = _split(q.reshape(B, T, K, G, H), c), _split(do, c)
+    lse_p, delta_p = _split(lse, c, axis=-1), _split(delta_BKGT, c, axis=-1)
+    qpos_p, qseg_p = _split(qpos, c), _split(qseg, c) if qseg is not None else [None] * c
+
+    def chunk_grads(dq, chunk):
+        k_c, v_c, kpos_c, kseg_c, dk_c, dv_c = chunk
+        dq = list(dq)
+        for a in range(c):
+            def update(grads, a=a):
+                dq_a, dk_c, dv_c = grads
+                s, mask = _scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale)
+                p = jnp.where(mask, jnp.exp(s - lse_p[a][..., None]), 0.0)
+                dv_c = dv_c + jnp.einsum("BKGts,BtKGH->BsKH", p, do_p[a])
+                dp = jnp.einsum("BtKGH,BsKH->BKGts", do_p[a], v_c.astype(jnp.float32))
+                ds = p * (dp - delta_p[a][..., None]) * scale
+                dq_a = dq_a + jnp.einsum("BKGts,BsKH->BtKGH", ds, k_c.astype(jnp.float32))
+                dk_c = dk_c + jnp.einsum("BKGts,BtKGH->BsKH", ds, q_pieces[a].astype(jnp.float32))
+                return dq_a, dk_c, dv_c
+
+            grads = (dq[a], dk_c, dv_c)
+            dq[a], dk_c, dv_c = (jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda g: g, grads) if causal
+                                 else update(grads))
+        return dq, (dk_c, dv_c)
+
+    def block_grads(dq, kv, dkv):
+        chunks = tuple(_key_chunks(x, C) for x in (*kv, *dkv))
+        dq, (dk, dv) = jax.lax.scan(chunk_grads, dq, chunks)
+        return dq, (_unchunk(dk), _unchunk(dv))
+
+    def ring_step(step, carry):
+        dq, kv, dkv = carry
+        dq, dkv = block_grads(dq, kv, dkv)
+        # dK/dV ride with their block; after n hops they are back with the block's owner.
+        return dq, _rotate(kv, axis_name, n), _rotate(dkv, axis_name, n)
+
+    dq = [jnp.zeros(p.shape, jnp.float32) for p in q_pieces]
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq, kv, dkv = jax.lax.fori_loop(0, n - 1, ring_step, (dq, (k, v, kpos, kseg), dkv))
+    dq, dkv = block_grads(dq, kv, dkv)
+    dkv = _rotate(dkv, axis_name, n)
+    dq = jnp.concatenate(dq, axis=1) if c > 1 else dq[0]
+    return dq.reshape(B, T, N, H).astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _ring(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale):
+    return _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale)[0]
+
+
+def _ring_fwd(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale):
+    out, lse = _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale)
+    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+
+
+def _ring_bwd(axis_name, n, causal, c, C, scale, residuals, dout):
+    q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
+    dq, dk, dv = _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, C, scale)
+    no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return dq, dk, dv, no_grad(qpos), no_grad(kpos), no_grad(qseg), no_grad(kseg)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=None, *, axis_name, axis_size: int,
+                   causal: bool = True, sub_chunks: int = 1, key_chunk: int = 512, scale=None):
+    """Attention of this device's queries to every device's keys; call inside shard_map with the
+    sequence sharded over `axis_name` (of `axis_size` devices). Positions (and segment ids) are
+    this device's tokens'; they travel with K/V.
+
+    Queries are split into `sub_chunks` pieces and each visiting block is scanned in chunks of
+    `key_chunk` keys (memory per device O(t * key_chunk) for the scores); a (piece, chunk) pair
+    that causality masks out is skipped."""
+    scale = q_BtNH.shape[-1] ** -0.5 if scale is None else scale
+    t = q_BtNH.shape[1]
+    if t % sub_chunks:
+        raise ValueError(f"local sequence length {t} does not split into {sub_chunks} pieces")
+    # The largest chunk <= key_chunk that divides the block and, where the block has pieces,
+    # stays within one piece (so the skip test sees one contiguous run of positions).
+    limit = min(key_chunk, t // sub_chunks)
+    C = max(d for d in range(1, limit + 1) if t % d == 0 and (t // sub_chunks) % d == 0)
+    # Positions are often constants (the layout permutation); made to depend on q, the masks are
+    # not hoisted out of a differentiated layer scan and stacked (see chunked_attention._traced_zero).
+    positions_Bt = positions_Bt + _traced_zero(q_BtNH)
+    return _ring(q_BtNH, k_BsKH, v_BsKH, positions_Bt, positions_Bt, segment_ids_Bt, segment_ids_Bt,
+                 axis_name, axis_size, causal, sub_chunks, C, scale)
