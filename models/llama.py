@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import attention
+from models.moe import DISPATCHED_AXES, MoE
 from spmd.logical import can_merge, constrain
 
 REMAT_POLICIES = {
@@ -69,6 +70,17 @@ class ModelConfig:
     scan_unroll: int = 1  # layers per scan iteration (n_layers: fully unrolled; faster, longer compile)
     attention_impl: str = "xla"
     init_std: float = 0.02
+    # Mixture of experts (models/moe.py); n_experts = 0 is a dense model.
+    n_experts: int = 0
+    top_k: int = 2  # experts per token
+    moe_every: int = 1  # every moe_every-th layer is MoE (1: all of them)
+    d_ff_expert: int = 0  # each expert's hidden size; 0: d_ff
+    n_shared_experts: int = 0  # always-on experts (DeepSeek), as one SwiGLU of n x d_ff_expert
+    router_score: str = "softmax"  # softmax | sigmoid
+    moe_dispatch: str = "capacity"  # capacity (GShard einsums, drops past capacity) | dropless (ragged_dot)
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01  # load-balancing loss weight
+    router_z_loss_coef: float = 0.001
 
     def check(self) -> list[str]:
         """Problems with this config, as messages (empty when fine)."""
@@ -89,6 +101,20 @@ class ModelConfig:
                 problems.append(f"model.{key} must be float32, bfloat16 or float16, got {getattr(self, key)!r}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.n_experts < 0 or self.n_shared_experts < 0 or self.d_ff_expert < 0:
+            problems.append("model.n_experts, model.n_shared_experts and model.d_ff_expert must be >= 0")
+        if self.n_experts:
+            if not 1 <= self.top_k <= self.n_experts:
+                problems.append(f"model.top_k ({self.top_k}) must be between 1 and model.n_experts ({self.n_experts})")
+            if self.moe_every < 1 or self.n_layers % self.moe_every:
+                problems.append(f"model.n_layers ({self.n_layers}) must be a multiple of model.moe_every "
+                                f"({self.moe_every})")
+            if self.router_score not in ("softmax", "sigmoid"):
+                problems.append(f"model.router_score must be softmax or sigmoid, got {self.router_score!r}")
+            if self.moe_dispatch not in ("capacity", "dropless"):
+                problems.append(f"model.moe_dispatch must be capacity or dropless, got {self.moe_dispatch!r}")
+            if self.capacity_factor <= 0:
+                problems.append(f"model.capacity_factor must be positive, got {self.capacity_factor}")
         if self.attention_impl not in attention.CHOICES:
             problems.append(
                 f"model.attention_impl must be one of {', '.join(attention.CHOICES)}, got {self.attention_impl!r}"
@@ -176,8 +202,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * (x W_up))."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        D, F = cfg.d_model, d_ff or cfg.d_ff
         self.w_gate_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
         self.w_up_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
         self.w_down_FD = _param(rngs, cfg, (F, D), ("mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -190,63 +216,105 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.moe = moe
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, kv=None):
+        """(output, new kv or None, MoEStats or None)."""
         attn_BTD, new_kv = self.attn(self.attn_norm(x_BTD), positions_BT, kv)
         x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL_AXES)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), new_kv
+        if self.moe:
+            mlp_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
+        else:
+            mlp_BTD, stats = self.mlp(self.mlp_norm(x_BTD)), None
+        return x_BTD + mlp_BTD, new_kv, stats
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[int, int, bool]:
+    """(groups, dense layers per group, whether a group ends in an MoE layer). The layer scan runs
+    over groups: a dense model is L groups of one dense layer; an MoE model with moe_every = m is
+    L/m groups of m-1 dense layers and one MoE layer."""
+    if not cfg.n_experts:
+        return cfg.n_layers, 1, False
+    return cfg.n_layers // cfg.moe_every, cfg.moe_every - 1, True
 
 
 class Decoder(nnx.Module):
     ACTIVATION_AXES = {"activation residual_BTD": RESIDUAL_AXES, "activation logits_BTV": LOGITS_AXES,
-                       "kv cache": KV_CACHE_AXES}
+                       "kv cache": KV_CACHE_AXES, "moe dispatched_BECD": DISPATCHED_AXES}
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_VD = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=1.0)
+        groups, dense_per_group, has_moe = layer_groups(cfg)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs):
-            return Block(cfg, rngs=rngs)
+        def stack(n, moe):
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(rngs):
+                return Block(cfg, rngs=rngs, moe=moe)
 
-        self.layers = stacked_blocks(rngs)
+            return stacked_blocks(rngs)
+
+        if dense_per_group:
+            self.layers = stack(groups * dense_per_group, False)
+        if has_moe:
+            self.moe_layers = stack(groups, True)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head_DV = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None):
         """Logits for every position; with a cache, also the updated cache (see KVCache)."""
+        logits_BTV, cache, _ = self.forward(tokens_BT, positions_BT, cache)
+        return logits_BTV if cache is None else (logits_BTV, cache)
+
+    def forward(self, tokens_BT, positions_BT=None, cache: KVCache | None = None):
+        """(logits, updated cache or None, MoEStats stacked over MoE layers or None)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(dt), RESIDUAL_AXES)
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+        groups, dense_per_group, has_moe = layer_groups(cfg)
+        per_group = dense_per_group + has_moe
 
-        graphdef, layer_state = nnx.split(self.layers)
-
-        if cache is None:
-            def layer(x_BTD, one_layer_state):
-                x_BTD, _ = nnx.merge(graphdef, one_layer_state)(x_BTD, positions_BT)
-                return constrain(x_BTD, RESIDUAL_AXES), None
-
-            if cfg.remat != "none":
-                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            x_BTD, _ = jax.lax.scan(layer, x_BTD, layer_state, unroll=min(cfg.scan_unroll, cfg.n_layers))
-        else:
+        # Scan inputs, one row per group: the dense layers' state (groups, dense_per_group, ...),
+        # the MoE layer's state, and the cache slices of the group's layers.
+        xs, graphdefs = {}, {}
+        if dense_per_group:
+            graphdefs["dense"], state = nnx.split(self.layers)
+            xs["dense"] = jax.tree.map(lambda a: a.reshape(groups, dense_per_group, *a.shape[1:]), state)
+        if has_moe:
+            graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
+        if cache is not None:
             positions_BS = jax.lax.dynamic_update_slice_in_dim(cache.positions_BS, positions_BT, cache.index, axis=1)
+            xs["k"], xs["v"] = (c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH))
 
-            def layer(x_BTD, xs):
-                one_layer_state, k_BSKH, v_BSKH = xs
-                kv = (k_BSKH, v_BSKH, positions_BS, cache.index)
-                x_BTD, (k_BSKH, v_BSKH) = nnx.merge(graphdef, one_layer_state)(x_BTD, positions_BT, kv)
-                return constrain(x_BTD, RESIDUAL_AXES), (k_BSKH, v_BSKH)
+        def group(x_BTD, xs):
+            new_k, new_v, stats = [], [], None
+            for i in range(per_group):
+                moe = i == dense_per_group
+                block = nnx.merge(graphdefs["moe"], xs["moe"]) if moe else nnx.merge(
+                    graphdefs["dense"], jax.tree.map(lambda a: a[i], xs["dense"]))
+                kv = None if cache is None else (xs["k"][i], xs["v"][i], positions_BS, cache.index)
+                x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv)
+                x_BTD = constrain(x_BTD, RESIDUAL_AXES)
+                stats = layer_stats if moe else stats
+                if layer_kv is not None:
+                    new_k.append(layer_kv[0])
+                    new_v.append(layer_kv[1])
+            kv_out = (jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None
+            return x_BTD, (kv_out, stats)
 
-            x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(layer, x_BTD, (layer_state, cache.k_LBSKH, cache.v_LBSKH))
+        if cfg.remat != "none" and cache is None:
+            group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x_BTD, (kv_out, stats) = jax.lax.scan(group, x_BTD, xs, unroll=min(cfg.scan_unroll, groups))
+        if cache is not None:
+            k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_out)
             cache = KVCache(constrain(k_LBSKH, KV_CACHE_AXES), constrain(v_LBSKH, KV_CACHE_AXES), positions_BS,
                             cache.index + tokens_BT.shape[1])
 
@@ -255,25 +323,31 @@ class Decoder(nnx.Module):
             logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed_VD[...].astype(dt))
         else:
             logits_BTV = project(x_BTD, self.head_DV[...].astype(dt))  # BTD,DV->BTV
-        logits_BTV = constrain(logits_BTV, LOGITS_AXES)
-        return logits_BTV if cache is None else (logits_BTV, cache)
+        return constrain(logits_BTV, LOGITS_AXES), cache, stats
 
 
-def count_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
-    D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                           cfg.vocab_size, cfg.n_layers)
-    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F + 2 * D
-    n = L * per_layer + D + (0 if cfg.tie_embeddings else D * V)
+def count_params(cfg: ModelConfig, include_embedding: bool = True, active: bool = False) -> int:
+    """Parameters; `active`: those one token uses (k routed experts of an MoE layer, not all E)."""
+    D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    attn = D * N * H * 2 + D * K * H * 2 + 2 * D
+    groups, dense_per_group, has_moe = layer_groups(cfg)
+    n = groups * dense_per_group * (attn + 3 * D * F)
+    if has_moe:
+        Fe = cfg.d_ff_expert or F
+        experts = cfg.top_k if active else cfg.n_experts
+        n += groups * (attn + D * cfg.n_experts + 3 * D * Fe * (experts + cfg.n_shared_experts))
+    n += D + (0 if cfg.tie_embeddings else D * V)
     return n + (V * D if include_embedding else 0)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params, plus attention (causal: half the score matrix).
+    """Training FLOPs per token: 6 x active matmul params, plus attention (causal: half the scores).
 
     The embedding lookup is a gather, not a matmul, so its parameters are not counted (a tied
-    table is counted once, as the output head).
+    table is counted once, as the output head). MoE layers count the k experts a token uses.
     """
-    matmul_params = count_params(cfg, include_embedding=False) + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+    matmul_params = (count_params(cfg, include_embedding=False, active=True)
+                     + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0))
     # QK^T and PV: 2 matmuls x 2 FLOPs x T x N*H per token forward, x3 for forward+backward, /2 causal.
     attention = 3 * 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers / 2
     return 6 * matmul_params + attention

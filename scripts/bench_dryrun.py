@@ -1,6 +1,10 @@
-"""Dry-run table: llama-8b on 8, 64 and 256 devices and llama-70b on 256, under fsdp and fsdp_tp.
+"""Dry-run table: llama-8b on 8, 64 and 256 devices and llama-70b on 256, under fsdp and fsdp_tp;
+mixtral-8x7b and deepseek-v2-lite under expert parallelism.
 
-    python scripts/bench_dryrun.py [--rows llama-8b:8,llama-8b:64,...]
+    python scripts/bench_dryrun.py [--rows llama-8b:8,mixtral-8x7b:64:fsdp_ep:fsdp=8/expert=8,...]
+
+A row `config:devices` runs fsdp and fsdp_tp on the standard meshes; `config:devices:rules:mesh`
+(mesh with `/` between axes) runs exactly that.
 
 Each row is one `spmd-dryrun --json` process on that many fake CPU devices (nothing allocated).
 Prints per-device memory, bytes sent / analytic minimum, and compile time as a Markdown table.
@@ -20,15 +24,18 @@ MESHES = {("fsdp", 8): "fsdp=8", ("fsdp_tp", 8): "fsdp=4,tensor=2", ("fsdp", 64)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="llama-8b:8,llama-8b:64,llama-8b:256,llama-70b:256")
+    p.add_argument("--rows", default="llama-8b:8,llama-8b:64,llama-8b:256,llama-70b:256,"
+                   "mixtral-8x7b:64:ep:data=8/expert=8,mixtral-8x7b:64:fsdp_ep:fsdp=8/expert=8,"
+                   "mixtral-8x7b:256:fsdp_ep:fsdp=32/expert=8,deepseek-v2-lite:64:fsdp_ep:fsdp=8/expert=8")
     p.add_argument("--timeout", type=int, default=1200)
     args = p.parse_args()
     print("| config | devices | rules | mesh | params+opt+grads / device | temporaries / device | sent / analytic min | compile (s) | wall (s) |")
     print("|---|---:|---|---|---:|---:|---:|---:|---:|")
     for row in args.rows.split(","):
-        config, n = row.split(":")
-        for rules in ("fsdp", "fsdp_tp"):
-            mesh = MESHES[(rules, int(n))]
+        config, n, *explicit = row.split(":")
+        cases = [(explicit[0], explicit[1].replace("/", ","))] if explicit else [
+            (rules, MESHES[(rules, int(n))]) for rules in ("fsdp", "fsdp_tp")]
+        for rules, mesh in cases:
             t = time.perf_counter()
             out = subprocess.run([sys.executable, str(ROOT / "scripts" / "dryrun.py"), "--config", config, "--mesh", mesh,
                                   "--rules", rules, "--host-devices", n, "--json"], capture_output=True, text=True,

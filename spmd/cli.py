@@ -353,6 +353,7 @@ def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, pe
                 }
                 if tcfg.z_loss:
                     record["z_loss"] = float(m["z_loss"])
+                record.update({key: float(v) for key, v in m.items() if key.startswith("moe_")})
                 if is_eval:
                     record["eval_loss"] = evaluate(trainer, state["params"], batches)
                 progress.update(task, completed=done, loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",

@@ -16,6 +16,8 @@ import math
 import sys
 import time
 
+import numpy as np
+
 from spmd.cli import _env_host_devices, _exit_now, _Parser, _set_host_devices
 
 
@@ -53,11 +55,14 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     (B, T, D) activations twice per layer forward and twice backward."""
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
-    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
+    expert_axes = plan.rules.mapping.get("expert", ())
+    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0}
     for p in plan.params:
         axes = [a for e in p.spec if e for a in ((e,) if isinstance(e, str) else e)]
         shard = math.prod(sizes[a] for a in axes)
-        f = math.prod(sizes[a] for a in axes if a in batch_axes)  # sharded over a batch axis: FSDP
+        # Sharded over a batch axis: FSDP, gathered for compute. Experts split over an axis that
+        # also carries the batch are never gathered (expert parallelism moves tokens instead).
+        f = math.prod(sizes[a] for a in axes if a in batch_axes and a not in expert_axes)
         gathered = p.bytes_total / (shard / f)  # what one device holds after the FSDP gather
         if f > 1:
             out["fsdp"] += 3 * gathered * (f - 1) / f
@@ -69,6 +74,19 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         dp = math.prod(sizes[a] for a in batch_axes)
         act = cfg.train.global_batch_size // dp * cfg.train.seq_len * cfg.model.d_model * 4  # fp32 activations
         out["tensor"] = 4 * cfg.model.n_layers * 2 * act * (t - 1) / t
+    n_ep = math.prod(sizes[a] for a in expert_axes)
+    m = cfg.model
+    if m.n_experts and n_ep > 1:
+        # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
+        # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer. Capacity path; the
+        # dropless path's padded buffers are larger (spmd/moe.py).
+        from models.llama import layer_groups
+        from models.moe import capacity
+
+        dp = math.prod(sizes[a] for a in batch_axes)
+        C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
+        buffer = cfg.train.global_batch_size // dp * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
+        out["expert"] = 4 * layer_groups(m)[0] * buffer * (n_ep - 1) / n_ep
     return out
 
 

@@ -32,6 +32,7 @@ LOGICAL_AXES = (
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers", "expert",
     # activations
     "batch", "seq", "act_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
+    "act_expert", "act_moe_batch",
 )
 
 CONTEXT_PARALLEL = ("ring", "ulysses", "allgather")

@@ -119,6 +119,13 @@ def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_le
     act_shapes = {"batch tokens": (micro, seq_len),
                   "activation residual_BTD": (micro, seq_len, model_cfg.d_model),
                   "activation logits_BTV": (micro, seq_len, model_cfg.vocab_size)}
+    if model_cfg.n_experts:
+        expert_axes = rules.mapping.get("expert", ())
+        n = math.prod(sizes[a] for a in expert_axes)
+        if model_cfg.n_experts % n:
+            where = " x ".join(f"{a}={sizes[a]}" for a in expert_axes)
+            raise UserError(f"model.n_experts ({model_cfg.n_experts}) does not divide by the expert mesh axes "
+                            f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis")
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     problems = context.check(rules, mesh, model_cfg.n_heads, model_cfg.n_kv_heads, seq_len)
     if problems:

@@ -49,16 +49,19 @@ def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
     )
 
 
-def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None):
+def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None,
+                 moe_coefs=(0.0, 0.0)):
     """Sums over the batch's counted tokens: (cross-entropy + z-loss, cross-entropy, z-loss, count).
 
     `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
-    model gets each token's true position, and the sums do not depend on the order."""
+    model gets each token's true position, and the sums do not depend on the order. `moe_coefs`:
+    the MoE load-balancing and router z-loss weights; the fourth output holds MoE statistics."""
     inputs_BT, targets_BT, positions_BT = batch["inputs"], batch["targets"], None
     if seq_perm is not None:
         inputs_BT, targets_BT = inputs_BT[:, seq_perm], targets_BT[:, seq_perm]
         positions_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
-    logits_BTV = nnx.merge(graphdef, params)(inputs_BT, positions_BT).astype(jnp.float32)
+    logits_BTV, _, moe = nnx.merge(graphdef, params).forward(inputs_BT, positions_BT)
+    logits_BTV = logits_BTV.astype(jnp.float32)
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
     mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
     mask_BT = mask_BT.astype(jnp.float32)
@@ -66,7 +69,17 @@ def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id
     z_sum = jnp.zeros((), jnp.float32)
     if z_loss:
         z_sum = z_loss * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1)) * mask_BT)
-    return ce_sum + z_sum, (ce_sum, z_sum, jnp.sum(mask_BT))
+    count = jnp.sum(mask_BT)
+    if moe is None:
+        return ce_sum + z_sum, (ce_sum, z_sum, count, {})
+    # Router losses are means over the MoE layers; weighted by the token count like the other sums,
+    # so dividing by the count (after accumulation) leaves coefficient x mean.
+    aux, router_z = jnp.mean(moe.aux_loss), jnp.mean(moe.z_loss)
+    router_sum = (moe_coefs[0] * aux + moe_coefs[1] * router_z) * count
+    stats = {"moe_aux_loss": aux * count, "moe_router_z_loss": router_z * count, "moe_dropped": jnp.sum(moe.dropped),
+             "moe_choices": jnp.sum(moe.choices), "moe_load_LE": moe.load_E}
+    return ce_sum + z_sum + router_sum, (ce_sum, z_sum, count, stats)
+
 
 
 @dataclasses.dataclass
@@ -110,9 +123,11 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
+    moe_coefs = (cfg.model.aux_loss_coef, cfg.model.router_z_loss_coef)
     losses = jax.value_and_grad(
         lambda params, batch: token_losses(graphdef, params, batch, z_loss=tcfg.z_loss,
-                                           mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm),
+                                           mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm,
+                                           moe_coefs=moe_coefs),
         has_aux=True,
     )
     k = tcfg.microbatches
@@ -135,13 +150,14 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             (_, sums), grads = losses(params, microbatch)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros((), jnp.float32),) * 3)
+        sums_shape = jax.eval_shape(lambda: losses(params, jax.tree.map(lambda x: x[:: k], batch))[0][1])
+        zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         return grads, sums
 
     def train_step(state, batch: Batch):
         with activation_sharding(rules, mesh):
-            grads, (ce_sum, z_sum, count) = grads_and_sums(state["params"], batch)
+            grads, (ce_sum, z_sum, count, moe) = grads_and_sums(state["params"], batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -153,11 +169,18 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             "learning_rate": schedule(state["step"]),
             "tokens": count,
         }
+        if moe:
+            load_LE = moe.pop("moe_load_LE")
+            metrics.update({"moe_aux_loss": moe["moe_aux_loss"] / count,
+                            "moe_router_z_loss": moe["moe_router_z_loss"] / count,
+                            "moe_dropped_fraction": moe["moe_dropped"] / moe["moe_choices"],
+                            # token-choices routed to the least and the most loaded expert of any MoE layer
+                            "moe_expert_load_min": jnp.min(load_LE), "moe_expert_load_max": jnp.max(load_LE)})
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def eval_step(params, batch: Batch):
         with activation_sharding(rules, mesh):
-            _, (ce_sum, _, count) = token_losses(graphdef, params, batch, z_loss=0.0,
+            _, (ce_sum, _, count, _) = token_losses(graphdef, params, batch, z_loss=0.0,
                                                  mask_token_id=cfg.data.mask_token_id,
                                                  seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]))
         return ce_sum, count

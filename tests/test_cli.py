@@ -41,6 +41,14 @@ ERROR_CASES = {
     "sequence longer than corpus": (["--set", "data.path={tmp}/short.txt"], "train.seq_len 64 is longer than the"),
     "batch not divisible": (["--mesh", "data=8", "--set", "train.global_batch_size=4"], "batch tokens: dimension 0"),
     "unknown flag": (["--meshh", "data=8"], "unrecognized arguments: --meshh"),
+    "top_k above n_experts": (["--set", "model.n_experts=4", "--set", "model.top_k=5"],
+                              "model.top_k (5) must be between 1 and model.n_experts (4)"),
+    "experts indivisible": (["--mesh", "data=2,expert=4", "--rules", "ep", "--set", "model.n_experts=6"],
+                            "model.n_experts (6) does not divide by the expert mesh axes expert=4"),
+    "ulysses heads": (["--mesh", "data=2,context=4", "--rules", "cp_ulysses"],
+                      "ulysses context parallelism over context=4 splits the heads 4 ways"),
+    "unknown context_parallel": (["--set", "attention.context_parallel=ulyses"],
+                                 "attention.context_parallel must be one of ring, ulysses, allgather"),
 }
 
 

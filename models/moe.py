@@ -1,0 +1,165 @@
+"""Mixture-of-experts MLP: a top-k router over SwiGLU experts, optional shared experts.
+
+Legend: B batch (one routing group per sequence), T tokens, D embed, F expert hidden, E experts,
+k experts per token, C capacity (token slots per expert per group), M = T*k token-choices.
+
+Two dispatch paths compute the same function when nothing is dropped:
+
+- capacity (GShard): one-hot dispatch and combine tensors and einsums. Each expert takes at most
+  C = ceil(k * T * capacity_factor / E) tokens per sequence; choices past that are dropped (first
+  choices before second choices, then in token order). Plain einsums, so GSPMD partitions it:
+  with experts sharded over the `expert` mesh axis it exchanges tokens with all-to-all.
+- dropless: token-choices sorted by expert and multiplied with `jax.lax.ragged_dot` (grouped
+  matmul); nothing is dropped. GSPMD cannot partition a sort-and-ragged-dot by expert, so this
+  path runs per shard (spmd.moe) and exchanges tokens with an explicit all-to-all.
+
+The router's auxiliary losses: load balance E * sum_e f_e P_e (Switch/GShard; f_e the fraction of
+token-choices sent to e, P_e the mean router probability of e) and z-loss mean(logsumexp(logits)^2).
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd import moe as moe_parallel
+from spmd.logical import constrain
+
+DISPATCHED_AXES = ("act_moe_batch", "act_expert", None, "act_embed")  # B E C D, at the experts
+LOCAL_AXES = ("batch", None, None, "act_embed")  # B E C D, where the tokens came from
+
+
+class Routing(NamedTuple):
+    weights_BTk: jax.Array  # combine weight of each chosen expert (normalised over the k)
+    experts_BTk: jax.Array  # int32 expert ids, best first
+    aux_loss: jax.Array  # scalar: load-balancing loss
+    z_loss: jax.Array  # scalar: router z-loss
+
+
+class MoEStats(NamedTuple):
+    """Per MoE layer, summed over the batch (the trainer turns them into metrics)."""
+
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    dropped: jax.Array  # token-choices dropped at capacity
+    choices: jax.Array  # token-choices routed
+    load_E: jax.Array  # token-choices routed to each expert (before capacity)
+
+
+def route(logits_BTE, top_k: int, score: str = "softmax") -> Routing:
+    """Top-k routing from router logits (fp32)."""
+    E = logits_BTE.shape[-1]
+    logits_BTE = logits_BTE.astype(jnp.float32)
+    if score == "softmax":
+        scores_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+        probs_BTE = scores_BTE
+    else:  # sigmoid (DeepSeek-V3 style): independent scores, normalised for the balance loss
+        scores_BTE = jax.nn.sigmoid(logits_BTE)
+        probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
+    top_BTk, experts_BTk = jax.lax.top_k(scores_BTE, top_k)
+    weights_BTk = top_BTk / jnp.sum(top_BTk, axis=-1, keepdims=True)
+    chosen_BTE = jnp.sum(jax.nn.one_hot(experts_BTk, E, dtype=jnp.float32), axis=2)
+    f_E = jnp.mean(chosen_BTE, axis=(0, 1)) / top_k
+    P_E = jnp.mean(probs_BTE, axis=(0, 1))
+    aux = E * jnp.sum(f_E * P_E)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
+    return Routing(weights_BTk, experts_BTk.astype(jnp.int32), aux, z)
+
+
+def capacity(T: int, E: int, top_k: int, capacity_factor: float) -> int:
+    return max(1, min(T, math.ceil(top_k * T * capacity_factor / E)))
+
+
+def dispatch_masks(experts_BTk, weights_BTk, E: int, C: int):
+    """GShard dispatch (0/1) and combine (weights) tensors, (B, T, E, C), and the kept choices.
+
+    Slots are given out first choice first, then second choice, ..., each in token order."""
+    B, T, k = experts_BTk.shape
+    onehot_BkTE = jax.nn.one_hot(experts_BTk.transpose(0, 2, 1), E, dtype=jnp.int32)
+    position_BkTE = jnp.cumsum(onehot_BkTE.reshape(B, k * T, E), axis=1).reshape(B, k, T, E) - 1
+    keep_BkTE = (onehot_BkTE == 1) & (position_BkTE < C)
+    slot_BkTEC = jax.nn.one_hot(jnp.where(keep_BkTE, position_BkTE, -1), C, dtype=jnp.float32)  # -1: no slot
+    dispatch_BTEC = jnp.sum(slot_BkTEC, axis=1)
+    combine_BTEC = jnp.einsum("BkTEC,BTk->BTEC", slot_BkTEC, weights_BTk.astype(jnp.float32))
+    return dispatch_BTEC, combine_BTEC, keep_BkTE
+
+
+def _param(rngs, cfg, shape, logical, std=None):
+    init = nnx.initializers.normal(cfg.init_std if std is None else std)
+    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), out_sharding=logical)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        from models.llama import MLP  # the shared experts are one dense SwiGLU of their total width
+
+        self.cfg = cfg
+        D, E, F = cfg.d_model, cfg.n_experts, cfg.d_ff_expert or cfg.d_ff
+        self.router_DE = _param(rngs, cfg, (D, E), ("embed", "expert"))
+        self.w_gate_EDF = _param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
+        self.w_up_EDF = _param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
+        self.w_down_EFD = _param(rngs, cfg, (E, F, D), ("expert", "mlp", "embed"),
+                                 std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        if cfg.n_shared_experts:
+            self.shared = MLP(cfg, rngs=rngs, d_ff=cfg.n_shared_experts * F)
+
+    def __call__(self, x_BTD):
+        cfg, dt = self.cfg, x_BTD.dtype
+        B, T, _ = x_BTD.shape
+        E, k = cfg.n_experts, cfg.top_k
+        logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD, self.router_DE[...].astype(dt),
+                                preferred_element_type=jnp.float32)
+        r = route(logits_BTE, k, cfg.router_score)
+        w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD))
+        load_E = jnp.sum(jax.nn.one_hot(r.experts_BTk, E, dtype=jnp.int32), axis=(0, 1, 2))
+        if cfg.moe_dispatch == "capacity":
+            C = capacity(T, E, k, cfg.capacity_factor)
+            dispatch_BTEC, combine_BTEC, keep_BkTE = dispatch_masks(r.experts_BTk, r.weights_BTk, E, C)
+            # Dispatch where the tokens are, then move them to their experts' devices: pinning both
+            # layouts makes the move (and its transpose in the backward) one all-to-all each way.
+            x_BECD = constrain(jnp.einsum("BTEC,BTD->BECD", dispatch_BTEC.astype(dt), x_BTD), LOCAL_AXES)
+            x_BECD = constrain(x_BECD, DISPATCHED_AXES)
+            y_BECD = constrain(_experts(x_BECD, w_gate, w_up, w_down), DISPATCHED_AXES)
+            y_BECD = constrain(y_BECD, LOCAL_AXES)
+            out_BTD = jnp.einsum("BECD,BTEC->BTD", y_BECD, combine_BTEC.astype(dt))
+            dropped = B * T * k - jnp.sum(keep_BkTE)
+        else:
+            out_BTD = moe_parallel.dropless(x_BTD, r.experts_BTk, r.weights_BTk, w_gate, w_up, w_down)
+            dropped = jnp.zeros((), jnp.int32)
+        if cfg.n_shared_experts:
+            out_BTD = out_BTD + self.shared(x_BTD)
+        stats = MoEStats(r.aux_loss, r.z_loss, dropped.astype(jnp.float32), jnp.float32(B * T * k),
+                         load_E.astype(jnp.float32))
+        return out_BTD.astype(dt), stats
+
+
+def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """SwiGLU of every expert on its slots: BECD,EDF->BECF, then BECF,EFD->BECD, computed with the
+    expert axis leading and (B, C) merged (one batch axis per dot: XLA:CPU runs that form much
+    faster; the merge moves no data since B is the major axis)."""
+    B, E, C, D = x_BECD.shape
+    x_EMD = x_BECD.transpose(1, 0, 2, 3).reshape(E, B * C, D)
+    h_EMF = (jax.nn.silu(jnp.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF))
+             * jnp.einsum("EMD,EDF->EMF", x_EMD, w_up_EDF))
+    y_EMD = jnp.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD)
+    return y_EMD.reshape(E, B, C, D).transpose(1, 0, 2, 3)
+
+
+def dropless_reference(x_TD, experts_Tk, weights_Tk, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Sort token-choices by expert, grouped matmuls with ragged_dot, weighted scatter back.
+    One device's tokens and all (or its local) experts; used per shard by spmd.moe."""
+    T, D = x_TD.shape
+    E = w_gate_EDF.shape[0]
+    k = experts_Tk.shape[1]
+    e_M = experts_Tk.reshape(-1)
+    order_M = jnp.argsort(e_M, stable=True)
+    token_M = order_M // k
+    sizes_E = jnp.bincount(e_M, length=E).astype(jnp.int32)
+    x_MD = x_TD[token_M]
+    h_MF = (jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E))
+            * jax.lax.ragged_dot(x_MD, w_up_EDF, sizes_E))
+    y_MD = jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)
+    w_M = weights_Tk.reshape(-1)[order_M].astype(y_MD.dtype)
+    return jnp.zeros((T, D), y_MD.dtype).at[token_M].add(y_MD * w_M[:, None])

@@ -1,0 +1,163 @@
+"""Mixture of experts: the router on a hand-computed case, capacity == dropless when nothing drops,
+expert parallelism (both paths, with fsdp and tensor) equal to one device, all-to-all in the HLO,
+metrics, expert-parameter bytes, errors."""
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import run_training
+from models.llama import Decoder, count_params
+from models.moe import MoE, dispatch_masks, route
+from spmd.config import load_config
+from spmd import dryrun
+
+LOGITS = np.array([[[2.0, 1.0, 0.0, -1.0],   # token 0: experts 0, 1
+                    [0.0, 3.0, 1.0, 0.0],    # token 1: experts 1, 2
+                    [0.0, 2.0, 0.0, 1.0]]])  # token 2: experts 1, 3
+
+
+def test_router_top_k_weights_and_losses_by_hand():
+    r = route(jnp.asarray(LOGITS), top_k=2)
+    np.testing.assert_array_equal(r.experts_BTk[0], [[0, 1], [1, 2], [1, 3]])
+    e, e2, e3 = np.e, np.e**2, np.e**3
+    np.testing.assert_allclose(r.weights_BTk[0], [[e2 / (e2 + e), e / (e2 + e)], [e3 / (e3 + e), e / (e3 + e)],
+                                                  [e2 / (e2 + e), e / (e2 + e)]], rtol=1e-6)
+    probs = np.exp(LOGITS[0]) / np.exp(LOGITS[0]).sum(-1, keepdims=True)
+    f = np.array([1, 3, 1, 1]) / 6  # share of the 6 token-choices each expert got
+    np.testing.assert_allclose(r.aux_loss, 4 * np.sum(f * probs.mean(0)), rtol=1e-6)
+    lse = np.log(np.exp(LOGITS[0]).sum(-1))
+    np.testing.assert_allclose(r.z_loss, np.mean(lse**2), rtol=1e-6)
+    # Sigmoid scores pick by sigmoid (same order here) and normalise the chosen two.
+    s = route(jnp.asarray(LOGITS), top_k=2, score="sigmoid")
+    np.testing.assert_array_equal(s.experts_BTk, r.experts_BTk)
+    sig = 1 / (1 + np.exp(-np.array([2.0, 1.0])))
+    np.testing.assert_allclose(s.weights_BTk[0, 0], sig / sig.sum(), rtol=1e-6)
+
+
+def test_capacity_drops_second_choices_then_later_tokens():
+    r = route(jnp.asarray(LOGITS), top_k=2)
+    # One slot per expert: first choices in token order take e0, e1; token 2's first choice (e1)
+    # is full. Second choices: token 0's e1 is full; token 1's e2 and token 2's e3 are free.
+    dispatch, combine, keep = dispatch_masks(r.experts_BTk, r.weights_BTk, 4, 1)
+    np.testing.assert_array_equal(keep[0].any(-1), [[True, True, False], [False, True, True]])  # (k, T)
+    np.testing.assert_array_equal(dispatch[0, :, :, 0], [[1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]])
+    np.testing.assert_allclose(combine[0, 1, :, 0], [0, r.weights_BTk[0, 1, 0], r.weights_BTk[0, 1, 1], 0])
+    # Two slots: only token 0's second choice (e1, third in line) is dropped.
+    _, _, keep = dispatch_masks(r.experts_BTk, r.weights_BTk, 4, 2)
+    assert int(keep.sum()) == 5 and not bool(keep[0, 1, 0].any())
+
+
+def test_capacity_without_drops_equals_dropless():
+    cfg = load_config("tiny-moe").model
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 32, cfg.d_model)), jnp.float32)
+    outs, grads = {}, {}
+    for dispatch in ("capacity", "dropless"):
+        # capacity_factor E/k gives every expert a slot for every token: nothing can drop.
+        c = dataclasses.replace(cfg, moe_dispatch=dispatch, capacity_factor=cfg.n_experts / cfg.top_k)
+        with nnx.use_eager_sharding(False):
+            model = MoE(c, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model)
+
+        def f(params, x):
+            out, stats = nnx.merge(graphdef, params)(x)
+            return jnp.sum(out * jnp.cos(out)), (out, stats)
+
+        (_, (outs[dispatch], stats)), (grads[dispatch], dx) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
+        grads[dispatch] = (grads[dispatch], dx)
+        assert float(stats.dropped) == 0
+    np.testing.assert_allclose(outs["capacity"], outs["dropless"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads["capacity"]), jax.tree.leaves(grads["dropless"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    """10 steps of tiny-moe on one device, for each dispatch path."""
+    return {d: run_training(load_config("tiny-moe", [f"model.moe_dispatch={d}"]), "", "dp", 10,
+                            devices=jax.devices()[:1]) for d in ("capacity", "dropless")}
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+@pytest.mark.parametrize("rules,mesh", [("ep", "data=2,expert=4"), ("fsdp_ep", "fsdp=2,expert=4"),
+                                        ("ep", "data=2,expert=2,tensor=2")])
+def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rules, mesh):
+    ref_losses, ref_params, _ = moe_reference[dispatch]
+    losses, params, trainer = run_training(load_config("tiny-moe", [f"model.moe_dispatch={dispatch}"]), mesh, rules, 10)
+    assert losses[-1] < losses[0] - 0.5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_expert_parallel_exchanges_tokens_with_all_to_all(devices, dispatch):
+    args = types.SimpleNamespace(config="tiny-moe", mesh="data=2,expert=4", rules="ep",
+                                 set=[f"model.moe_dispatch={dispatch}"], list=False)
+    counts = {(c["kind"], tuple(c["axes"])): c["count"] for c in dryrun.run(args)["collectives"]}
+    assert counts.get(("all-to-all", ("expert",)), 0) >= 2, counts  # out to the experts and back
+
+
+def test_moe_metrics_and_parameter_count(devices, moe_reference):
+    _, params, trainer = moe_reference["capacity"]
+    cfg = trainer.cfg
+    assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg.model)
+    assert set(params["moe_layers"]) and params["layers"]["mlp"]["w_gate_DF"].shape[0] == 1  # 1 dense + 1 MoE layer
+    state = trainer.init_state()
+    from spmd.data import make_batches
+
+    _, m = trainer.train_step(state, make_batches(cfg, trainer.plan.batch_sharding).train_batch(0))
+    m = jax.device_get(m)
+    choices = cfg.train.global_batch_size * cfg.train.seq_len * cfg.model.top_k
+    assert 0 <= m["moe_dropped_fraction"] < 1 and m["moe_aux_loss"] >= 1.0 - 1e-3  # E * sum f P >= 1 (balanced: 1)
+    assert 0 <= m["moe_expert_load_min"] <= choices / 8 <= m["moe_expert_load_max"] <= choices
+    assert m["moe_router_z_loss"] > 0
+
+
+def test_expert_parameters_split_over_expert_axis(devices):
+    from spmd import sharding as sharding_lib
+    from spmd.mesh import build_mesh
+    from spmd.rules import load_rules
+
+    cfg = load_config("small-moe")
+    plan = sharding_lib.plan(cfg.model, build_mesh("expert=8"), load_rules("ep"), 16, 128)
+    experts = [p for p in plan.params if p.logical[:2] == ("layers", "expert")]  # stacked over layers
+    assert len(experts) == 3  # gate, up, down
+    total = sum(np.prod(p.shape) for p in experts)
+    per_device = sum(np.prod(p.local_shape) for p in experts)
+    assert experts and per_device <= 1.05 * total / 8
+
+
+def test_errors(devices):
+    from spmd import sharding as sharding_lib
+    from spmd.errors import UserError
+    from spmd.mesh import build_mesh
+    from spmd.rules import load_rules
+
+    with pytest.raises(UserError, match=r"model.top_k \(9\) must be between 1 and model.n_experts \(8\)"):
+        load_config("tiny-moe", ["model.top_k=9"])
+    cfg = load_config("tiny-moe", ["model.n_experts=6"])
+    with pytest.raises(UserError, match=r"model.n_experts \(6\) does not divide by the expert mesh axes expert=4"):
+        sharding_lib.plan(cfg.model, build_mesh("data=2,expert=4"), load_rules("ep"), 8, 64)
+
+
+def test_decoder_with_moe_decodes_like_full_forward():
+    from models.llama import KVCache
+
+    cfg = dataclasses.replace(load_config("tiny-moe").model, capacity_factor=4.0)  # nothing drops: 1 token at a time
+    with nnx.use_eager_sharding(False):
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(1, 12)))
+    full = model(tokens)
+    cache = KVCache.empty(cfg, 1, 12)
+    logits, cache = model(tokens[:, :8], jnp.arange(8)[None], cache)
+    steps = [logits]
+    for t in range(8, 12):
+        logits, cache = model(tokens[:, t:t + 1], jnp.full((1, 1), t), cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-5)
