@@ -181,6 +181,12 @@ def _seg_specs(seg, block, index_q):
     return seg, pl.BlockSpec((None, block), index_q)
 
 
+def _seg_pair(seg):
+    """Segment ids of the queries and of the keys: one array for self-attention, or a pair (ring
+    attention's blocks attend one device's queries to another's keys)."""
+    return seg if isinstance(seg, tuple) else (seg, seg)
+
+
 def _forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -188,8 +194,9 @@ def _forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
     bq, bk = min(bs.block_q, _ceil_pow2(T)), min(bs.block_k, _ceil_pow2(S))
     qp, kp, vp = _pad_to(q, 1, bq), _pad_to(k, 1, bk), _pad_to(v, 1, bk)
     Tp, Sp = qp.shape[1], kp.shape[1]
-    segq = None if seg is None else _pad_to(seg, 1, bq, -1)
-    segk = None if seg is None else _pad_to(seg, 1, bk, -2)
+    seg_q, seg_k = _seg_pair(seg)
+    segq = None if seg is None else _pad_to(seg_q, 1, bq, -1)
+    segk = None if seg is None else _pad_to(seg_k, 1, bk, -2)
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S)
     in_specs = [
         pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
@@ -222,8 +229,9 @@ def _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes, int
     kp, vp = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
     lsep, deltap = _pad_to(lse, 2, bq), _pad_to(delta, 2, bq)
     Tp, Sp = qp.shape[1], kp.shape[1]
-    segq = None if seg is None else _pad_to(seg, 1, max(bq, bk), -1)
-    segk = None if seg is None else _pad_to(seg, 1, max(bq, bk), -2)
+    seg_q, seg_k = _seg_pair(seg)
+    segq = None if seg is None else _pad_to(seg_q, 1, max(bq, bk), -1)
+    segk = None if seg is None else _pad_to(seg_k, 1, max(bq, bk), -2)
     common = dict(scale=scale, causal=causal, bq=bq, bk=bk, kv_len=S)
 
     dq = pl.pallas_call(

@@ -13,6 +13,9 @@ of the sequence works: contiguous, zigzag (device i holds chunks i and 2n-1-i of
 (query piece, key piece) pair that causality masks out entirely is skipped with `lax.cond`:
 under zigzag every device then computes the same number of pieces (see `computed_blocks`).
 
+`ring_flash_attention` is the same ring with every block computed by the Pallas flash kernel
+(GPU; interpret mode on CPU), for layouts whose pieces are runs of consecutive positions.
+
 Legend: B batch, t local query positions, s local key positions, K kv heads, G query heads per kv
 head, H head dim, N = K*G. `masked_attention` is the pure-JAX reference (and the block op used
 by all-gather and Ulysses context parallelism).
@@ -109,6 +112,31 @@ def _rotate(xs, axis_name, n):
                         is_leaf=lambda x: x is None)
 
 
+def _ring_pass(attend_block, state, kv, axis_name, n):
+    """n - 1 steps that attend the visiting block and pass it on; the last block is attended and kept."""
+    def step(_, carry):
+        state, kv = carry
+        return attend_block(state, kv), _rotate(kv, axis_name, n)
+
+    state, kv = jax.lax.fori_loop(0, n - 1, step, (state, kv))
+    return attend_block(state, kv)
+
+
+def _ring_pass_backward(block_grads, dq, k, v, kpos, kseg, axis_name, n):
+    """The backward ring: dK/dV accumulators ride with their block and, after n hops, are back with
+    the block's owner. Returns (dq pieces, dk, dv) in fp32."""
+    def step(_, carry):
+        dq, kv, dkv = carry
+        dq, dkv = block_grads(dq, kv, dkv)
+        return dq, _rotate(kv, axis_name, n), _rotate(dkv, axis_name, n)
+
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq, kv, dkv = jax.lax.fori_loop(0, n - 1, step, (dq, (k, v, kpos, kseg), dkv))
+    dq, dkv = block_grads(dq, kv, dkv)
+    dk, dv = _rotate(dkv, axis_name, n)
+    return dq, dk, dv
+
+
 def _key_chunks(x, C):
     """(B, s, ...) -> (s/C, B, C, ...): the visiting block's keys in chunks of C, for a scan."""
     if x is None:
@@ -154,13 +182,7 @@ def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, s
         chunks = tuple(_key_chunks(x, C) for x in kv)
         return jax.lax.scan(attend_chunk, state, chunks)[0]
 
-    def ring_step(_, carry):
-        state, kv = carry
-        return attend_block(state, kv), _rotate(kv, axis_name, n)
-
-    # n - 1 steps that attend and pass the block on; the last block is attended and kept.
-    state, kv = jax.lax.fori_loop(0, n - 1, ring_step, (state, (k, v, kpos, kseg)))
-    state = attend_block(state, kv)
+    state = _ring_pass(attend_block, state, (k, v, kpos, kseg), axis_name, n)
     outs, lses = [], []
     for m, l, o in state:
         outs.append(o / l.transpose(0, 3, 1, 2)[..., None])
@@ -204,19 +226,10 @@ def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n
         dq, (dk, dv) = jax.lax.scan(chunk_grads, dq, chunks)
         return dq, (_unchunk(dk), _unchunk(dv))
 
-    def ring_step(step, carry):
-        dq, kv, dkv = carry
-        dq, dkv = block_grads(dq, kv, dkv)
-        # dK/dV ride with their block; after n hops they are back with the block's owner.
-        return dq, _rotate(kv, axis_name, n), _rotate(dkv, axis_name, n)
-
     dq = [jnp.zeros(p.shape, jnp.float32) for p in q_pieces]
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dq, kv, dkv = jax.lax.fori_loop(0, n - 1, ring_step, (dq, (k, v, kpos, kseg), dkv))
-    dq, dkv = block_grads(dq, kv, dkv)
-    dkv = _rotate(dkv, axis_name, n)
+    dq, dk, dv = _ring_pass_backward(block_grads, dq, k, v, kpos, kseg, axis_name, n)
     dq = jnp.concatenate(dq, axis=1) if c > 1 else dq[0]
-    return dq.reshape(B, T, N, H).astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+    return dq.reshape(B, T, N, H).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
@@ -261,3 +274,134 @@ def ring_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=None, *,
     positions_Bt = positions_Bt + _traced_zero(q_BtNH)
     return _ring(q_BtNH, k_BsKH, v_BsKH, positions_Bt, positions_Bt, segment_ids_Bt, segment_ids_Bt,
                  axis_name, axis_size, causal, sub_chunks, C, scale)
+
+
+# ----------------------------------------------------------------------------- the ring, Pallas blocks
+
+
+def _relation(qpos, kpos):
+    """How a key piece relates to a query piece of a zigzag or contiguous layout (each piece a run of
+    consecutive positions, pieces of one length): 0 all masked, 1 all visible, 2 the same piece
+    (causal diagonal)."""
+    return jnp.where(jnp.min(kpos) > jnp.max(qpos), 0, jnp.where(jnp.min(kpos) == jnp.min(qpos), 2, 1))
+
+
+def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
+    from kernels.flash_attention import _forward
+
+    B, T, N, H = q.shape
+    t = T // c
+    q_p, qpos_p = _split(q, c), _split(qpos, c)
+    qseg_p = _split(qseg, c) if qseg is not None else [None] * c
+    # Per query piece: the merged output (fp32) and log-sum-exp (B, N, t).
+    state = [(jnp.zeros((B, t, N, H), jnp.float32), jnp.full((B, N, t), -jnp.inf, jnp.float32)) for _ in range(c)]
+
+    def attend_block(state, kv):
+        k, v, kpos, kseg = kv
+        k_p, v_p, kpos_p = _split(k, c), _split(v, c), _split(kpos, c)
+        kseg_p = _split(kseg, c) if kseg is not None else [None] * c
+        new = []
+        for a in range(c):
+            st = state[a]
+            for b in range(c):
+                seg = None if qseg is None else (qseg_p[a], kseg_p[b])
+
+                def attend(st, diagonal, a=a, b=b, seg=seg):
+                    o, lse = st
+                    o_b, lse_b = _forward(q_p[a], k_p[b], v_p[b], seg, diagonal, scale, bs, interpret)
+                    lse_new = jnp.logaddexp(lse, lse_b)
+                    w_old = jnp.exp(lse - lse_new).transpose(0, 2, 1)[..., None]
+                    w_new = jnp.exp(lse_b - lse_new).transpose(0, 2, 1)[..., None]
+                    return o * w_old + o_b.astype(jnp.float32) * w_new, lse_new
+
+                if causal:
+                    st = jax.lax.switch(_relation(qpos_p[a], kpos_p[b]),
+                                        [lambda st: st, lambda st: attend(st, False), lambda st: attend(st, True)], st)
+                else:
+                    st = attend(st, False)
+            new.append(st)
+        return new
+
+    state = _ring_pass(attend_block, state, (k, v, kpos, kseg), axis_name, n)
+    out = jnp.concatenate([o for o, _ in state], axis=1).astype(q.dtype)
+    return out, jnp.concatenate([lse for _, lse in state], axis=-1)  # lse: B N T
+
+
+def _flash_ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs,
+                         interpret):
+    from kernels.flash_attention import _backward
+
+    q_p, o_p, do_p, lse_p = _split(q, c), _split(out, c), _split(dout, c), _split(lse, c, axis=-1)
+    qpos_p = _split(qpos, c)
+    qseg_p = _split(qseg, c) if qseg is not None else [None] * c
+
+    def block_grads(dq, kv, dkv):
+        k, v, kpos, kseg = kv
+        k_p, v_p, kpos_p = _split(k, c), _split(v, c), _split(kpos, c)
+        kseg_p = _split(kseg, c) if kseg is not None else [None] * c
+        dk_p, dv_p = _split(dkv[0], c), _split(dkv[1], c)
+        dq = list(dq)
+        for a in range(c):
+            for b in range(c):
+                seg = None if qseg is None else (qseg_p[a], kseg_p[b])
+
+                # With the merged output and lse, the kernel's backward gives this block's share.
+                def grads(g, diagonal, a=a, b=b, seg=seg):
+                    dq_a, dk_b, dv_b = g
+                    dq_ab, dk_ab, dv_ab = _backward(q_p[a], k_p[b], v_p[b], seg, o_p[a], lse_p[a], do_p[a],
+                                                    jnp.zeros_like(lse_p[a]), diagonal, scale, bs, interpret)
+                    return dq_a + dq_ab.astype(jnp.float32), dk_b + dk_ab.astype(jnp.float32), dv_b + dv_ab.astype(jnp.float32)
+
+                g = (dq[a], dk_p[b], dv_p[b])
+                if causal:
+                    g = jax.lax.switch(_relation(qpos_p[a], kpos_p[b]),
+                                       [lambda g: g, lambda g: grads(g, False), lambda g: grads(g, True)], g)
+                else:
+                    g = grads(g, False)
+                dq[a], dk_p[b], dv_p[b] = g
+        join = (lambda xs: jnp.concatenate(xs, axis=1)) if c > 1 else (lambda xs: xs[0])
+        return dq, (join(dk_p), join(dv_p))
+
+    dq = [jnp.zeros(p.shape, jnp.float32) for p in q_p]
+    dq, dk, dv = _ring_pass_backward(block_grads, dq, k, v, kpos, kseg, axis_name, n)
+    dq = jnp.concatenate(dq, axis=1) if c > 1 else dq[0]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
+def _flash_ring(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
+    return _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret)[0]
+
+
+def _flash_ring_fwd(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
+    out, lse = _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret)
+    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+
+
+def _flash_ring_bwd(axis_name, n, causal, c, scale, bs, interpret, residuals, dout):
+    q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
+    dq, dk, dv = _flash_ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c,
+                                      scale, bs, interpret)
+    no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return dq, dk, dv, no_grad(qpos), no_grad(kpos), no_grad(qseg), no_grad(kseg)
+
+
+_flash_ring.defvjp(_flash_ring_fwd, _flash_ring_bwd)
+
+
+def ring_flash_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=None, *, axis_name, axis_size: int,
+                         causal: bool = True, sub_chunks: int = 1, scale=None, block_sizes=None,
+                         interpret: bool | None = None):
+    """`ring_attention` with every block computed by the Pallas flash kernel (forward, and its dq /
+    dk-dv kernels in the backward). Causal masking is the kernel's (by index), so the layout must
+    be zigzag or contiguous (pieces of consecutive positions, `sub_chunks` per device); a block is
+    skipped, attended in full, or attended causally by comparing its pieces' positions."""
+    from kernels.flash_attention import BlockSizes
+
+    scale = q_BtNH.shape[-1] ** -0.5 if scale is None else float(scale)
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    positions_Bt = positions_Bt + _traced_zero(q_BtNH)
+    seg = None if segment_ids_Bt is None else segment_ids_Bt.astype(jnp.int32)
+    return _flash_ring(q_BtNH, k_BsKH, v_BsKH, positions_Bt, positions_Bt, seg, seg, axis_name, axis_size, causal,
+                       sub_chunks, scale, block_sizes or BlockSizes(), interpret)

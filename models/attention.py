@@ -72,7 +72,7 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str):
     positions then define the mask, since the sequence may be permuted for load balance."""
     if context.active() is not None:
         return context.context_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, causal=True,
-                                         local_impl=LOCAL_IMPLS[impl])
+                                         local_impl=LOCAL_IMPLS[impl], kernel=impl == "pallas")
     return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
 CHOICES = (*ATTENTION_IMPLS, "auto")
 

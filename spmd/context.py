@@ -2,8 +2,9 @@
 
 Three ways to let every query see keys held by other devices (`Rules.context_parallel`):
 
-- ring: K/V blocks rotate around the ring with ppermute (kernels/ring_attention.py); memory per
-  device O(T/n); with `load_balance = zigzag|striped` the sequence is permuted once per batch so
+- ring: K/V blocks rotate around the ring with ppermute (kernels/ring_attention.py), each block
+  computed by the Pallas flash kernel (attention_impl pallas, the default on GPU) or blockwise in
+  plain JAX (CPU); memory per device O(T/n); with `load_balance = zigzag|striped` the sequence is permuted once per batch so
   causal work is even across devices.
 - ulysses: all-to-all from sequence-sharded to head-sharded, ordinary attention over the whole
   sequence for 1/n of the heads, all-to-all back. Needs heads and kv heads divisible by n.
@@ -83,11 +84,14 @@ def check(rules, mesh, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]
     return problems
 
 
-def context_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None, *, causal=True, local_impl=None):
+def context_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None, *, causal=True, local_impl=None,
+                      kernel=False):
     """Attention with the sequence sharded over the active rules' `seq` axes (see module doc).
 
     `local_impl(q, k, v, causal=)` is the single-device attention Ulysses runs on whole sequences
-    in natural order (xla, chunked or the Pallas kernel)."""
+    in natural order (xla, chunked or the Pallas kernel). `kernel`: the ring computes its blocks
+    with the Pallas flash kernel (zigzag and contiguous layouts; striped falls back to the
+    pure-JAX blocks, whose masks come from positions)."""
     rules, mesh, axes, n = active()
     axis_name = axes if len(axes) > 1 else axes[0]
     mode = rules.context_parallel
@@ -98,9 +102,11 @@ def context_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None,
     in_specs = (spec(Q_AXES), spec(KV_AXES), spec(KV_AXES), spec(TOKEN_AXES)) + ((spec(TOKEN_AXES),) if has_seg else ())
 
     if mode == "ring":
+        blocks = ring.ring_flash_attention if kernel and layout(rules) != "striped" else ring.ring_attention
+
         def local(q, k, v, pos, seg=None):
-            return ring.ring_attention(q, k, v, pos, seg, axis_name=axis_name, axis_size=n, causal=causal,
-                                       sub_chunks=ring.sub_chunks(layout(rules)))
+            return blocks(q, k, v, pos, seg, axis_name=axis_name, axis_size=n, causal=causal,
+                          sub_chunks=ring.sub_chunks(layout(rules)))
     elif mode == "allgather":
         def local(q, k, v, pos, seg=None):
             gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, axis=1, tiled=True)

@@ -27,16 +27,20 @@ LAYOUTS = [
     ("cp_ulysses", "fsdp=4,context=2"),
     ("allgather", "fsdp=2,context=4"),
     ("cp_ring:striped", "data=2,context=4"),
+    ("cp_ring:zigzag:pallas", "data=2,context=4"),  # ring blocks by the flash kernel (interpret mode)
 ]
 
 
 @pytest.mark.parametrize("rules,mesh", LAYOUTS, ids=[f"{r}-{m}" for r, m in LAYOUTS])
 def test_matches_single_device(tiny_cfg, single_device_run, devices, rules, mesh):
     ref_losses, ref_params, _ = single_device_run
-    rules, _, layout = rules.partition(":")
+    rules, _, variant = rules.partition(":")
+    layout, _, impl = variant.partition(":")
     cfg = tiny_cfg
     if layout:
         cfg = dataclasses.replace(cfg, attention=AttentionConfig(load_balance=layout))
+    if impl:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
     losses, params, trainer = run_training(cfg, mesh, rules, 10)
     assert trainer.plan.mesh.size == 8
     assert losses[-1] < losses[0] - 0.5, "tiny should learn within 10 steps"
