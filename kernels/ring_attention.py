@@ -148,16 +148,50 @@ def _unchunk(x):
     return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
+def _merge_heads(q_BtNH, K):
+    """(B, t, N, H) -> (b, Q, H) with b = B*K and Q = G*t: a kv head's queries, all groups, end to
+    end. Dots with one batch axis are the fast form on XLA:CPU (see models/attention.xla_attention)."""
+    B, t, N, H = q_BtNH.shape
+    return q_BtNH.reshape(B, t, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B * K, N // K * t, H)
+
+
+def _split_heads(x_bQH, B, t):
+    """The inverse of _merge_heads."""
+    b, Q, H = x_bQH.shape
+    K, G = b // B, Q // t
+    return x_bQH.reshape(B, K, G, t, H).transpose(0, 3, 1, 2, 4).reshape(B, t, K * G, H)
+
+
+def _kv_rows(k_BsKH):
+    """(B, s, K, H) -> (b, s, H)."""
+    B, s, K, H = k_BsKH.shape
+    return k_BsKH.transpose(0, 2, 1, 3).reshape(B * K, s, H)
+
+
+def _kv_unrows(x_bsH, B):
+    b, s, H = x_bsH.shape
+    return x_bsH.reshape(B, b // B, s, H).transpose(0, 2, 1, 3)
+
+
+def _block_scores(q_bQH, k_bsH, qpos, kpos, qseg, kseg, causal, scale, K, G):
+    """Scores (b, Q, s) in fp32 and their mask, broadcast from the tokens' (B, t, s) mask."""
+    s_bQs = jnp.einsum("bQH,bsH->bQs", q_bQH, k_bsH, preferred_element_type=jnp.float32) * scale
+    mask_Bts = _mask(qpos, kpos, qseg, kseg, causal)
+    B, t, S = mask_Bts.shape
+    mask_bQs = jnp.broadcast_to(mask_Bts[:, None, None], (B, K, G, t, S)).reshape(B * K, G * t, S)
+    return s_bQs, mask_bQs
+
+
 def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    q_pieces = _split(q.reshape(B, T, K, G, H), c)
-    qpos_p, qseg_p = _split(qpos, c), _split(qseg, c) if qseg is not None else [None] * c
     t = T // c
-    # Online-softmax state per query piece: running max m, sum l (BKGt), unnormalised output o.
-    state = [(jnp.full((B, K, G, t), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, t), jnp.float32),
-              jnp.zeros((B, t, K, G, H), jnp.float32)) for _ in range(c)]
+    q_pieces = [_merge_heads(piece, K) for piece in _split(q, c)]
+    qpos_p, qseg_p = _split(qpos, c), _split(qseg, c) if qseg is not None else [None] * c
+    # Online-softmax state per query piece: running max m, sum l (b, Q), unnormalised output o.
+    state = [(jnp.full((B * K, G * t), -jnp.inf, jnp.float32), jnp.zeros((B * K, G * t), jnp.float32),
+              jnp.zeros((B * K, G * t, H), jnp.float32)) for _ in range(c)]
 
     def attend_chunk(state, chunk):
         k_c, v_c, kpos_c, kseg_c = chunk
@@ -165,13 +199,13 @@ def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, s
         for a in range(c):
             def update(st, a=a):
                 m, l, o = st
-                s, mask = _scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale)
+                s, mask = _block_scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G)
                 s = jnp.where(mask, s, MASK_VALUE)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
                 alpha = jnp.exp(m - m_new)
-                pv = jnp.einsum("BKGts,BsKH->BtKGH", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
-                return m_new, alpha * l + p.sum(-1), o * alpha.transpose(0, 3, 1, 2)[..., None] + pv
+                pv = jnp.einsum("bQs,bsH->bQH", p.astype(v_c.dtype), v_c, preferred_element_type=jnp.float32)
+                return m_new, alpha * l + p.sum(-1), o * alpha[..., None] + pv
 
             # Skip (query piece, key chunk) pairs that causality masks out entirely.
             new.append(jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda st: st, state[a]) if causal
@@ -179,26 +213,24 @@ def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, s
         return new, None
 
     def attend_block(state, kv):
-        chunks = tuple(_key_chunks(x, C) for x in kv)
+        k, v, kpos, kseg = kv
+        # K/V travel as (b, s, H) rows; positions and segments stay (B, s). Chunk all along s.
+        chunks = (_key_chunks(k, C), _key_chunks(v, C), _key_chunks(kpos, C), _key_chunks(kseg, C))
         return jax.lax.scan(attend_chunk, state, chunks)[0]
 
-    state = _ring_pass(attend_block, state, (k, v, kpos, kseg), axis_name, n)
-    outs, lses = [], []
-    for m, l, o in state:
-        outs.append(o / l.transpose(0, 3, 1, 2)[..., None])
-        lses.append(m + jnp.log(l))
-    out = jnp.concatenate(outs, axis=1).reshape(B, T, N, H).astype(q.dtype)
-    return out, jnp.concatenate(lses, axis=-1)  # lse: B K G T
+    state = _ring_pass(attend_block, state, (_kv_rows(k), _kv_rows(v), kpos, kseg), axis_name, n)
+    out = jnp.concatenate([_split_heads(o / l[..., None], B, t) for _, l, o in state], axis=1).astype(q.dtype)
+    return out, jnp.stack([m + jnp.log(l) for m, l, _ in state])  # lse: (c, b, Q)
 
 
 def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, C, scale):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    do = dout.reshape(B, T, K, G, H).astype(jnp.float32)
-    delta_BKGT = jnp.einsum("BTKGH,BTKGH->BKGT", do, out.reshape(B, T, K, G, H).astype(jnp.float32))
-    q_pieces, do_p = _split(q.reshape(B, T, K, G, H), c), _split(do, c)
-    lse_p, delta_p = _split(lse, c, axis=-1), _split(delta_BKGT, c, axis=-1)
+    q_pieces = [_merge_heads(piece, K) for piece in _split(q, c)]
+    do_p = [_merge_heads(piece, K).astype(jnp.float32) for piece in _split(dout, c)]
+    o_p = [_merge_heads(piece, K).astype(jnp.float32) for piece in _split(out, c)]
+    delta_p = [jnp.sum(d * o, axis=-1) for d, o in zip(do_p, o_p)]  # (b, Q)
     qpos_p, qseg_p = _split(qpos, c), _split(qseg, c) if qseg is not None else [None] * c
 
     def chunk_grads(dq, chunk):
@@ -207,13 +239,13 @@ def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n
         for a in range(c):
             def update(grads, a=a):
                 dq_a, dk_c, dv_c = grads
-                s, mask = _scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale)
-                p = jnp.where(mask, jnp.exp(s - lse_p[a][..., None]), 0.0)
-                dv_c = dv_c + jnp.einsum("BKGts,BtKGH->BsKH", p, do_p[a])
-                dp = jnp.einsum("BtKGH,BsKH->BKGts", do_p[a], v_c.astype(jnp.float32))
+                s, mask = _block_scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G)
+                p = jnp.where(mask, jnp.exp(s - lse[a][..., None]), 0.0)
+                dv_c = dv_c + jnp.einsum("bQs,bQH->bsH", p, do_p[a])
+                dp = jnp.einsum("bQH,bsH->bQs", do_p[a], v_c.astype(jnp.float32))
                 ds = p * (dp - delta_p[a][..., None]) * scale
-                dq_a = dq_a + jnp.einsum("BKGts,BsKH->BtKGH", ds, k_c.astype(jnp.float32))
-                dk_c = dk_c + jnp.einsum("BKGts,BtKGH->BsKH", ds, q_pieces[a].astype(jnp.float32))
+                dq_a = dq_a + jnp.einsum("bQs,bsH->bQH", ds, k_c.astype(jnp.float32))
+                dk_c = dk_c + jnp.einsum("bQs,bQH->bsH", ds, q_pieces[a].astype(jnp.float32))
                 return dq_a, dk_c, dv_c
 
             grads = (dq[a], dk_c, dv_c)
@@ -227,9 +259,9 @@ def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n
         return dq, (_unchunk(dk), _unchunk(dv))
 
     dq = [jnp.zeros(p.shape, jnp.float32) for p in q_pieces]
-    dq, dk, dv = _ring_pass_backward(block_grads, dq, k, v, kpos, kseg, axis_name, n)
-    dq = jnp.concatenate(dq, axis=1) if c > 1 else dq[0]
-    return dq.reshape(B, T, N, H).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dq, dk, dv = _ring_pass_backward(block_grads, dq, _kv_rows(k), _kv_rows(v), kpos, kseg, axis_name, n)
+    dq = jnp.concatenate([_split_heads(d, B, T // c) for d in dq], axis=1)
+    return dq.astype(q.dtype), _kv_unrows(dk, B).astype(k.dtype), _kv_unrows(dv, B).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
