@@ -81,7 +81,6 @@ def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id
     return ce_sum + z_sum + router_sum, (ce_sum, z_sum, count, stats)
 
 
-
 @dataclasses.dataclass
 class Trainer:
     """Everything needed to run jitted steps of one config on one mesh."""
