@@ -21,7 +21,7 @@ import numpy as np
 
 from kernels import ring_attention as ring
 from kernels.chunked_attention import _traced_zero
-from spmd.logical import _ACTIVE
+from spmd.logical import active as active_sharding, split_axes
 
 MODES = ("ring", "ulysses", "allgather")
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")
@@ -31,14 +31,13 @@ TOKEN_AXES = ("batch", "seq")
 
 def seq_axes(rules, mesh) -> tuple[tuple[str, ...], int]:
     """Mesh axes of the `seq` logical axis that have more than one device, and their product."""
-    sizes = dict(mesh.shape)
-    axes = tuple(a for a in rules.mapping.get("seq", ()) if sizes[a] > 1)
-    return axes, int(np.prod([sizes[a] for a in axes])) if axes else 1
+    axes = split_axes(rules, mesh, "seq")
+    return axes, int(np.prod([dict(mesh.shape)[a] for a in axes])) if axes else 1
 
 
 def active():
     """(rules, mesh, axes, n) when the active rules shard the sequence, else None."""
-    current = _ACTIVE.get()
+    current = active_sharding()
     if current is None:
         return None
     rules, mesh = current

@@ -23,6 +23,17 @@ def activation_sharding(rules, mesh):
         _ACTIVE.reset(token)
 
 
+def active():
+    """The (rules, mesh) pair active while tracing, or None (one device, tests, eval_shape)."""
+    return _ACTIVE.get()
+
+
+def split_axes(rules, mesh, name: str) -> tuple[str, ...]:
+    """The mesh axes, of more than one device, that the logical axis `name` is split over."""
+    sizes = dict(mesh.shape)
+    return tuple(a for a in rules.mapping.get(name, ()) if sizes[a] > 1)
+
+
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
@@ -38,8 +49,7 @@ def can_merge(logical: tuple[str, ...]) -> bool:
     if active is None:
         return True
     rules, mesh = active
-    sizes = dict(mesh.shape)
-    return not any(sizes[a] > 1 for name in logical[1:] for a in rules.mapping.get(name, ()))
+    return not any(split_axes(rules, mesh, name) for name in logical[1:])
 
 
 def per_shard(fn, in_logical, out_logical):
@@ -54,10 +64,9 @@ def per_shard(fn, in_logical, out_logical):
     if active is None:
         return fn
     rules, mesh = active
-    sizes = dict(mesh.shape)
 
     def spec(logical):
-        if "seq" in logical and any(sizes[a] > 1 for a in rules.mapping.get("seq", ())):
+        if "seq" in logical and split_axes(rules, mesh, "seq"):
             raise ValueError(f"rules {rules.name!r} shard the sequence, which per-shard attention cannot handle")
         return rules.spec(logical)
 

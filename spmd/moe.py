@@ -19,27 +19,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.logical import _ACTIVE
+from spmd.logical import active as active_sharding, split_axes
 
 TOKEN_AXES = ("batch", "seq", None)
-
-
-def _axes(rules, mesh, logical):
-    sizes = dict(mesh.shape)
-    return tuple(a for a in rules.mapping.get(logical, ()) if sizes[a] > 1)
 
 
 def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
     from models.moe import dropless_reference
 
-    active = _ACTIVE.get()
+    active = active_sharding()
     if active is None:
         B, T, D = x_BTD.shape
         out = dropless_reference(x_BTD.reshape(B * T, D), experts_BTk.reshape(B * T, -1),
                                  weights_BTk.reshape(B * T, -1), w_gate_EDF, w_up_EDF, w_down_EFD)
         return out.reshape(B, T, D)
     rules, mesh = active
-    expert_axes, tensor_axes = _axes(rules, mesh, "expert"), _axes(rules, mesh, "mlp")
+    expert_axes, tensor_axes = split_axes(rules, mesh, "expert"), split_axes(rules, mesh, "mlp")
     n = int(np.prod([dict(mesh.shape)[a] for a in expert_axes])) if expert_axes else 1
     ep = (expert_axes if len(expert_axes) > 1 else expert_axes[0]) if expert_axes else None
     tp = (tensor_axes if len(tensor_axes) > 1 else tensor_axes[0]) if tensor_axes else None
