@@ -90,7 +90,7 @@ def _sample(args) -> int:
         texts += [line for line in path.read_text().splitlines() if line]
     if not texts:
         raise UserError("give a --prompt or a --prompts-file")
-    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, batch=0, seq_len=1)
+    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, batch=0, seq_len=1, decoding=True)
     prompts = [inference.encode(t, loaded.cfg) for t in texts]
     context = loaded.cfg.train.seq_len
     for text, p in zip(texts, prompts):

@@ -49,8 +49,9 @@ def default_rules(meta: dict) -> str:
 
 
 def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, overrides=(),
-         batch: int | None = None, seq_len: int | None = None) -> Loaded:
-    """Restore a checkpoint's parameters onto `mesh_spec` x rules (default: the run's own rules)."""
+         batch: int | None = None, seq_len: int | None = None, decoding: bool = False) -> Loaded:
+    """Restore a checkpoint's parameters onto `mesh_spec` x rules (default: the run's own rules);
+    `decoding`: for KV-cache generation (see Rules.for_decoding)."""
     directory, latest = ckpt.locate(path)
     if step is not None:
         if step not in ckpt.committed_steps(directory):
@@ -69,6 +70,8 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
         cfg = config_from_json({"name": cfg.name, **tree})
     mesh = build_mesh(mesh_spec)
     rules = load_rules(rules_name or default_rules(meta)).with_attention(cfg.attention)
+    if decoding:
+        rules = rules.for_decoding()
     # batch 0: the smallest batch the mesh can split (sampling pads its prompts up to a multiple).
     B = batch if batch is not None else cfg.train.global_batch_size
     B = B or math.prod(dict(mesh.shape)[a] for a in rules.mapping.get("batch", ()))

@@ -60,6 +60,22 @@ class Rules:
                    if getattr(attention_cfg, k)}
         return dataclasses.replace(self, **changes) if changes else self
 
+    def for_decoding(self) -> "Rules":
+        """These rules for KV-cache decoding, which feeds one position per step: nothing to split along
+        the sequence. Mesh axes that split only the sequence (context parallelism) split the batch
+        instead, so they still do work; axes shared with other names (Megatron SP's `tensor`) keep
+        their other jobs."""
+        seq_axes = tuple(dict.fromkeys(self.mapping.get("seq", ()) + self.mapping.get("act_seq", ())))
+        used = {a for n, axes in self.mapping.items() if n not in ("seq", "act_seq") for a in axes}
+        free = tuple(a for a in seq_axes if a not in used)
+        if not seq_axes:
+            return self
+        mapping = dict(self.mapping, seq=(), act_seq=())
+        for name in ("batch", "act_moe_batch"):
+            if name in mapping:
+                mapping[name] = mapping[name] + free
+        return dataclasses.replace(self, mapping=mapping)
+
     def spec(self, logical: tuple[str | None, ...]) -> PartitionSpec:
         """PartitionSpec for a tuple of logical names (None: replicated dimension)."""
         out = []

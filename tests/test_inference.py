@@ -86,10 +86,14 @@ def test_greedy_is_deterministic_and_mesh_independent(run):
     again = run_script("sample", *base, "--host-devices", "1", "--mesh", "")
     tensor = run_script("sample", *base, "--host-devices", "2", "--mesh", "tensor=2", "--rules", "tp")
     fsdp = run_script("sample", *base, "--host-devices", "8", "--mesh", "fsdp=8")  # batch 1 padded to 8
-    for r in (one, tensor, fsdp):
+    # Sequence-parallel rules decode too: one position per step, so the context axis splits the batch
+    # and Megatron SP's tensor axis only splits heads and MLP.
+    context = run_script("sample", *base, "--host-devices", "8", "--mesh", "fsdp=2,context=4", "--rules", "cp_ring")
+    sp = run_script("sample", *base, "--host-devices", "2", "--mesh", "tensor=2", "--rules", "tp_sp")
+    for r in (one, tensor, fsdp, context, sp):
         assert r.returncode == 0, r.stderr
     assert one.stdout.startswith("def ") and len(one.stdout) > len("def ") + 10
-    assert one.stdout == again.stdout == tensor.stdout == fsdp.stdout
+    assert one.stdout == again.stdout == tensor.stdout == fsdp.stdout == context.stdout == sp.stdout
 
 
 def test_sampling_is_reproducible_with_a_seed_and_batches_prompts(run, tmp_path):

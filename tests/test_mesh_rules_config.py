@@ -46,6 +46,15 @@ def test_presets_exist_and_map_every_name():
         assert load_rules(name).description
 
 
+def test_decoding_rules_split_nothing_along_the_sequence():
+    cp = load_rules("cp_ring").for_decoding()
+    assert cp.mapping["seq"] == cp.mapping["act_seq"] == ()
+    assert cp.mapping["batch"] == ("data", "fsdp", "context")  # context had no other job
+    sp = load_rules("fsdp_tp_sp").for_decoding()
+    assert sp.mapping["act_seq"] == () and "tensor" not in sp.mapping["batch"]  # tensor still splits heads
+    assert load_rules("fsdp").for_decoding() == load_rules("fsdp")
+
+
 def _rules_file(tmp_path, body):
     path = tmp_path / "r.toml"
     path.write_text(body)
