@@ -1,5 +1,6 @@
 """Dry-run table: llama-8b on 8, 64 and 256 devices and llama-70b on 256, under fsdp and fsdp_tp;
-mixtral-8x7b and deepseek-v2-lite under expert parallelism.
+mixtral-8x7b and deepseek-v2-lite under expert parallelism; llama-8b under the three context-parallel
+modes.
 
     python scripts/bench_dryrun.py [--rows llama-8b:8,mixtral-8x7b:64:fsdp_ep:fsdp=8/expert=8,...]
 
@@ -26,7 +27,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="llama-8b:8,llama-8b:64,llama-8b:256,llama-70b:256,"
                    "mixtral-8x7b:64:ep:data=8/expert=8,mixtral-8x7b:64:fsdp_ep:fsdp=8/expert=8,"
-                   "mixtral-8x7b:256:fsdp_ep:fsdp=32/expert=8,deepseek-v2-lite:64:fsdp_ep:fsdp=8/expert=8")
+                   "mixtral-8x7b:256:fsdp_ep:fsdp=32/expert=8,deepseek-v2-lite:64:fsdp_ep:fsdp=8/expert=8,"
+                   "llama-8b:64:cp_ring:fsdp=16/context=4,llama-8b:64:cp_ulysses:fsdp=16/context=4,"
+                   "llama-8b:64:allgather:fsdp=16/context=4")
     p.add_argument("--timeout", type=int, default=1200)
     args = p.parse_args()
     print("| config | devices | rules | mesh | params+opt+grads / device | temporaries / device | sent / analytic min | compile (s) | wall (s) |")

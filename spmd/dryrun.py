@@ -51,12 +51,17 @@ def ring_volume(kind: str, result_bytes: int, group: int) -> float:
 def analytic_minimum(cfg, plan) -> dict[str, float]:
     """Lower bound on bytes each device sends per step, by parallelism (see module doc):
     FSDP gathers every parameter forward and backward and reduce-scatters its gradient; data
-    parallelism all-reduces the gradient of what it replicates; tensor parallelism all-reduces the
-    (B, T, D) activations twice per layer forward and twice backward."""
+    parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
+    gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
+    per layer forward and twice backward; expert parallelism moves dispatched tokens by all-to-all;
+    context parallelism moves keys and values (spmd/context.py's three modes)."""
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
     expert_axes = plan.rules.mapping.get("expert", ())
-    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0}
+    seq_axes = tuple(a for a in plan.rules.mapping.get("seq", ()) if a not in batch_axes and sizes.get(a, 1) > 1)
+    grad_axes = batch_axes + seq_axes
+    m = cfg.model
+    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0}
     for p in plan.params:
         axes = [a for e in p.spec if e for a in ((e,) if isinstance(e, str) else e)]
         shard = math.prod(sizes[a] for a in axes)
@@ -66,16 +71,35 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         gathered = p.bytes_total / (shard / f)  # what one device holds after the FSDP gather
         if f > 1:
             out["fsdp"] += 3 * gathered * (f - 1) / f
-        replicas = math.prod(sizes[a] for a in batch_axes if a not in axes)
+        replicas = math.prod(sizes[a] for a in grad_axes if a not in axes)
         if replicas > 1:
             out["data"] += 2 * (gathered / f) * (replicas - 1) / replicas
+    dp = math.prod(sizes[a] for a in batch_axes)
+    n_ctx = math.prod(sizes[a] for a in seq_axes)
+    B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx  # tokens on one device
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
-        dp = math.prod(sizes[a] for a in batch_axes)
-        act = cfg.train.global_batch_size // dp * cfg.train.seq_len * cfg.model.d_model * 4  # fp32 activations
-        out["tensor"] = 4 * cfg.model.n_layers * 2 * act * (t - 1) / t
+        act = B * T * m.d_model * 4  # fp32 activations
+        out["tensor"] = 4 * m.n_layers * 2 * act * (t - 1) / t
+    if n_ctx > 1:
+        # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
+        t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1
+        itemsize = np.dtype(m.dtype).itemsize
+        kv = 2 * B * T * (m.n_kv_heads // t_heads) * m.head_dim * itemsize
+        mode = plan.rules.context_parallel
+        if mode == "ring":
+            # Forward: K/V pass n-1 hops. Backward (kernels/ring_attention.py): K/V again n-1 hops,
+            # and their fp32 dK/dV accumulators n hops back home.
+            # The keys' int32 positions travel with them, both ways.
+            per_layer = 2 * (n_ctx - 1) * (kv + B * T * 4) + n_ctx * kv * 4 / itemsize
+        elif mode == "ulysses":
+            # q, k, v to head-sharded and o back, forward; their gradients, backward.
+            qo = 2 * B * T * (m.n_heads // t_heads) * m.head_dim * itemsize
+            per_layer = 2 * (qo + kv) * (n_ctx - 1) / n_ctx
+        else:  # allgather: gather K/V (and positions) forward, reduce-scatter their gradients backward
+            per_layer = 2 * (n_ctx - 1) * kv + (n_ctx - 1) * B * T * 4
+        out["context"] = m.n_layers * per_layer
     n_ep = math.prod(sizes[a] for a in expert_axes)
-    m = cfg.model
     if m.n_experts and n_ep > 1:
         # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
         # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer. Capacity path; the
@@ -83,7 +107,6 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         from models.llama import layer_groups
         from models.moe import capacity
 
-        dp = math.prod(sizes[a] for a in batch_axes)
         C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
         buffer = cfg.train.global_batch_size // dp * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
         out["expert"] = 4 * layer_groups(m)[0] * buffer * (n_ep - 1) / n_ep

@@ -2,8 +2,10 @@
 
     spmd-plan --config llama-70b --devices 256 --memory-per-device 80GiB [--dcn 4] [--hardware h100]
 
-1. Enumerate meshes (factorisations of N over data, fsdp and tensor) with the presets that use
-   exactly those axes (dp, fsdp, tp, fsdp_tp); reject those the rules cannot shard (divisibility).
+1. Enumerate meshes (factorisations of N over data, fsdp and tensor; expert too for MoE models;
+   any of the five axes with --axes) with the presets whose axes cover them (dp, fsdp, tp,
+   fsdp_tp, tp_sp, fsdp_tp_sp, ep, fsdp_ep, cp_ring, cp_ulysses); reject those the rules cannot
+   shard (divisibility).
 2. Prune by analytic memory: parameters + gradients + optimizer state per device must fit.
 3. Rank the rest by a roofline step time: model FLOPs / peak + analytic collective bytes / link
    bandwidth (axes that span hosts, with --dcn, use the DCN bandwidth), compute and communication
@@ -31,8 +33,15 @@ HARDWARE = {
     "tpu-v5p": {"peak": 459e12, "ici": 400e9, "dcn": 25e9},
     "cpu": {"peak": 0.4e12, "ici": 10e9, "dcn": 1e9},
 }
-PRESET_AXES = {"dp": {"data"}, "fsdp": {"data", "fsdp"}, "tp": {"data", "tensor"}, "fsdp_tp": {"data", "fsdp", "tensor"}}
-REQUIRED = {"dp": set(), "fsdp": {"fsdp"}, "tp": {"tensor"}, "fsdp_tp": {"fsdp", "tensor"}}
+# Each preset: the mesh axes it can use, and those it needs (a preset is only listed where it differs
+# from a simpler one: fsdp_tp on a mesh without tensor is fsdp).
+PRESET_AXES = {"dp": {"data"}, "fsdp": {"data", "fsdp"}, "tp": {"data", "tensor"}, "fsdp_tp": {"data", "fsdp", "tensor"},
+               "tp_sp": {"data", "tensor"}, "fsdp_tp_sp": {"data", "fsdp", "tensor"},
+               "ep": {"data", "expert", "tensor"}, "fsdp_ep": {"data", "fsdp", "expert", "tensor"},
+               "cp_ring": {"data", "fsdp", "context", "tensor"}, "cp_ulysses": {"data", "fsdp", "context", "tensor"}}
+REQUIRED = {"dp": set(), "fsdp": {"fsdp"}, "tp": {"tensor"}, "fsdp_tp": {"fsdp", "tensor"},
+            "tp_sp": {"tensor"}, "fsdp_tp_sp": {"fsdp", "tensor"}, "ep": {"expert"}, "fsdp_ep": {"fsdp", "expert"},
+            "cp_ring": {"context"}, "cp_ulysses": {"context"}}
 
 
 def parse_bytes(text: str) -> int:
@@ -56,25 +65,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ici-gbps", type=float)
     p.add_argument("--dcn-gbps", type=float)
     p.add_argument("--candidates", type=int, default=6, help="how many to dry-run [6]")
+    p.add_argument("--axes", help="mesh axes to search, e.g. data,fsdp,context,tensor "
+                                  "[data,fsdp,tensor; with expert for MoE models]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--host-devices", type=int, default=_env_host_devices(), help="fake CPU devices [--devices]")
     return p
 
 
-def meshes(n: int):
-    for data in (d for d in range(1, n + 1) if n % d == 0):
-        for fsdp in (f for f in range(1, n // data + 1) if (n // data) % f == 0):
-            yield {"data": data, "fsdp": fsdp, "tensor": n // data // fsdp}
+def meshes(n: int, axes=("data", "fsdp", "tensor")):
+    """Every way to write n as a product of sizes over `axes` (in that order)."""
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for d in (d for d in range(1, n + 1) if n % d == 0):
+        for rest in meshes(n // d, axes[1:]):
+            yield {axes[0]: d, **rest}
 
 
-def enumerate_candidates(cfg, n: int):
-    """(mesh spec, preset, plan or None, reason if rejected) for every mesh x preset that uses exactly its axes."""
+def search_axes(cfg, text: str | None) -> tuple[str, ...]:
+    from spmd.errors import UserError
+    from spmd.mesh import MESH_AXES
+
+    if text is None:
+        wanted = {"data", "fsdp", "tensor"} | ({"expert"} if cfg.model.n_experts else set())
+    else:
+        wanted = {a.strip() for a in text.split(",") if a.strip()}
+        unknown = sorted(wanted - set(MESH_AXES))
+        if unknown or not wanted:
+            raise UserError(f"--axes: unknown mesh axis {', '.join(unknown) or '(none given)'}; "
+                            f"choose among {', '.join(MESH_AXES)}")
+    return tuple(a for a in MESH_AXES if a in wanted)
+
+
+def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
+    """(mesh spec, preset, plan or None, reason if rejected) for every mesh x preset that covers its axes."""
     from spmd import sharding as sharding_lib
     from spmd.errors import UserError
     from spmd.mesh import build_mesh
     from spmd.rules import load_rules
 
-    for sizes in meshes(n):
+    for sizes in meshes(n, axes):
         used = {a for a, s in sizes.items() if s > 1}
         spec = ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "data=1"
         for preset, axes in PRESET_AXES.items():
@@ -91,6 +121,7 @@ def enumerate_candidates(cfg, n: int):
 def estimate(cfg, plan, hw, dcn: int, volume: dict | None = None) -> dict:
     from models.llama import flops_per_token
     from spmd.dryrun import analytic_minimum
+    from spmd.mesh import MESH_AXES
 
     sizes = dict(plan.mesh.shape)
     compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
@@ -98,7 +129,7 @@ def estimate(cfg, plan, hw, dcn: int, volume: dict | None = None) -> dict:
     volume = volume if volume is not None else analytic_minimum(cfg, plan)
     # With several hosts, the outermost axes (data, then fsdp) are the ones that span them.
     remaining, dcn_axes = dcn, set()
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in MESH_AXES:
         if remaining > 1 and sizes.get(axis, 1) > 1:
             dcn_axes.add(axis)
             remaining = max(1, remaining // math.gcd(remaining, sizes[axis]))
@@ -129,7 +160,7 @@ def run(args) -> int:
         raise UserError(f"--devices {args.devices} must divide by --dcn {args.dcn}")
 
     fits, rejected = [], []
-    for spec, preset, plan, reason in enumerate_candidates(cfg, args.devices):
+    for spec, preset, plan, reason in enumerate_candidates(cfg, args.devices, search_axes(cfg, args.axes)):
         if plan is None:
             rejected.append((spec, preset, reason))
             continue

@@ -49,6 +49,24 @@ def test_collectives_have_the_expected_kinds_and_scale_with_depth(devices):
     assert dp["collective_volume_bytes"] == pytest.approx(dp["analytic_minimum_total"], rel=1e-4)
 
 
+def _volume(r, kind, axes):
+    return sum(c["volume_bytes"] for c in r["collectives"] if c["kind"] == kind and tuple(c["axes"]) == axes)
+
+
+def test_context_parallel_traffic_matches_the_analytic_minimum(devices):
+    """The model of what ring and all-gather attention send (spmd.dryrun.analytic_minimum) against the
+    compiled step; both also all-reduce the gradients over `context`, whose devices see different tokens."""
+    ring = report("context=8", "cp_ring")
+    assert _volume(ring, "collective-permute", ("context",)) == ring["analytic_minimum_bytes"]["context"] > 0
+    gather = report("context=8", "allgather")
+    # The load-balance permutation all-gathers the int32 token ids (2 x B x T x 4 bytes x 7/8): not in the model.
+    tokens = 2 * 8 * 64 * 4 * 7 / 8
+    sent = _volume(gather, "all-gather", ("context",)) - tokens + _volume(gather, "reduce-scatter", ("context",))
+    assert sent == gather["analytic_minimum_bytes"]["context"] > 0
+    for r in (ring, gather):
+        assert _volume(r, "all-reduce", ("context",)) == pytest.approx(r["analytic_minimum_bytes"]["data"], rel=1e-4)
+
+
 def test_cli_json_and_errors(tmp_path):
     r = run_script("dryrun", "--config", "tiny", "--host-devices", "8", "--mesh", "fsdp=8", "--json")
     assert r.returncode == 0, r.stderr

@@ -19,6 +19,21 @@ def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
     assert "--mesh tensor=8 --rules tp: layers/attn/wk_DKH: dimension 2 (kv_heads, size 2)" in r.stdout
 
 
+def test_searches_expert_and_context_axes():
+    r = run_script("plan", "--config", "tiny-moe", "--devices", "8", "--memory-per-device", "1GiB", "--hardware", "cpu",
+                   "--axes", "data,context,expert", "--candidates", "2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    best = [line for line in lines if line.startswith(("  1. ", "  2. "))]
+    # Expert parallelism moves tokens, not parameters: with this little compute it ranks first.
+    assert len(best) == 2 and all("--rules ep:" in line and "expert=" in line for line in best)
+    assert "--mesh context=8 --rules cp_ulysses: ulysses context parallelism over context=8" in r.stdout
+    assert "(6 more fit by analytic memory" in r.stdout  # cp_ring and the rest of ep
+    assert not any("fsdp=" in line or "tensor=" in line for line in lines)  # only the axes asked for
+    bad = run_script("plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--axes", "data,pipe")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --axes: unknown mesh axis pipe")
+
+
 def test_bad_budget_is_an_error():
     r = run_script("plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "lots")
     assert r.returncode == 2 and r.stderr.startswith("error: --memory-per-device must look like 80GiB")
