@@ -33,8 +33,8 @@ HARDWARE = {
     "tpu-v5p": {"peak": 459e12, "ici": 400e9, "dcn": 25e9},
     "cpu": {"peak": 0.4e12, "ici": 10e9, "dcn": 1e9},
 }
-# Each preset: the mesh axes it can use, and those it needs (a preset is only listed where it differs
-# from a simpler one: fsdp_tp on a mesh without tensor is fsdp).
+# Each preset: the mesh axes it can use, and those it needs (so a candidate is never a simpler preset
+# under another name: fsdp_tp on a mesh without tensor would be fsdp).
 PRESET_AXES = {"dp": {"data"}, "fsdp": {"data", "fsdp"}, "tp": {"data", "tensor"}, "fsdp_tp": {"data", "fsdp", "tensor"},
                "tp_sp": {"data", "tensor"}, "fsdp_tp_sp": {"data", "fsdp", "tensor"},
                "ep": {"data", "expert", "tensor"}, "fsdp_ep": {"data", "fsdp", "expert", "tensor"},
@@ -107,8 +107,8 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
     for sizes in meshes(n, axes):
         used = {a for a, s in sizes.items() if s > 1}
         spec = ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "data=1"
-        for preset, axes in PRESET_AXES.items():
-            if not used <= axes or not REQUIRED[preset] <= used:
+        for preset, preset_axes in PRESET_AXES.items():
+            if not used <= preset_axes or not REQUIRED[preset] <= used:
                 continue
             try:
                 plan = sharding_lib.plan(cfg.model, build_mesh(spec), load_rules(preset).with_attention(cfg.attention), cfg.train.global_batch_size,
@@ -127,7 +127,7 @@ def estimate(cfg, plan, hw, dcn: int, volume: dict | None = None) -> dict:
     compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
     compute_s = compute / plan.mesh.size / hw["peak"]
     volume = volume if volume is not None else analytic_minimum(cfg, plan)
-    # With several hosts, the outermost axes (data, then fsdp) are the ones that span them.
+    # With several hosts, the outermost axes (data, then fsdp, in MESH_AXES order) are the ones that span them.
     remaining, dcn_axes = dcn, set()
     for axis in MESH_AXES:
         if remaining > 1 and sizes.get(axis, 1) > 1:
