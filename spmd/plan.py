@@ -10,9 +10,10 @@
 3. Rank the rest by a roofline step time: model FLOPs / peak + analytic collective bytes / link
    bandwidth (axes that span hosts, with --dcn, use the DCN bandwidth), compute and communication
    not overlapped (a conservative bound).
-4. Dry-run (compile, nothing allocated) the best candidates: reject any whose compiled arguments +
-   temporaries exceed the budget, re-rank with the collective bytes the compiled step really sends,
-   and print the top five with their reasons.
+4. Dry-run (compile, nothing allocated) down the ranking until --candidates layouts fit (at most
+   --max-compiles): reject any whose compiled arguments + temporaries exceed the budget, re-rank
+   with the collective bytes the compiled step really sends, and print the top five with their
+   reasons.
 """
 
 import argparse
@@ -64,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--ici-gbps", type=float)
     p.add_argument("--dcn-gbps", type=float)
-    p.add_argument("--candidates", type=int, default=6, help="how many to dry-run [6]")
+    p.add_argument("--candidates", type=int, default=6,
+                   help="dry-run down the ranking until this many layouts fit [6]")
+    p.add_argument("--max-compiles", type=int, help="stop dry-running after this many compiles [4 x --candidates]")
     p.add_argument("--axes", help="mesh axes to search, e.g. data,fsdp,context,tensor "
                                   "[data,fsdp,tensor; with expert for MoE models]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -150,8 +153,9 @@ def run(args) -> int:
 
     cfg = load_config(args.config, args.set)
     budget = parse_bytes(args.memory_per_device)
-    if args.devices < 1 or args.dcn < 1 or args.candidates < 1:
-        raise UserError("--devices, --dcn and --candidates must be positive")
+    max_compiles = args.max_compiles if args.max_compiles is not None else 4 * args.candidates
+    if min(args.devices, args.dcn, args.candidates, max_compiles) < 1:
+        raise UserError("--devices, --dcn, --candidates and --max-compiles must be positive")
     hw = dict(HARDWARE[args.hardware])
     for key, flag, scale in (("peak", "peak_tflops", 1e12), ("ici", "ici_gbps", 1e9), ("dcn", "dcn_gbps", 1e9)):
         if getattr(args, flag) is not None:
@@ -174,8 +178,13 @@ def run(args) -> int:
                      **estimate(cfg, plan, hw, args.dcn)})
     fits.sort(key=lambda c: c["step_s"])
 
-    ranked = []
-    for cand in fits[: args.candidates]:
+    # The analytic memory above leaves activations out, so at long sequences many of the fastest
+    # layouts only fail once compiled: keep going down the ranking until enough fit.
+    ranked, compiled = [], 0
+    for cand in fits:
+        if len(ranked) == args.candidates or compiled == max_compiles:
+            break
+        compiled += 1
         r = dryrun.run(types.SimpleNamespace(config=args.config, mesh=cand["mesh"], rules=cand["rules"], set=args.set,
                                              list=False))
         need = r["per_device_bytes"]["arguments"] + r["per_device_bytes"]["temporaries"]
@@ -203,8 +212,9 @@ def run(args) -> int:
               f"needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}")
     if not ranked:
         print("  none fits; more devices, microbatches (--set train.microbatches=N) or remat would help")
-    if len(fits) > args.candidates:
-        print(f"  ({len(fits) - args.candidates} more fit by analytic memory but were not compiled: raise --candidates)")
+    if len(fits) > compiled:
+        print(f"  ({len(fits) - compiled} more fit by analytic memory but were not compiled: raise --candidates"
+              + (" or --max-compiles)" if compiled == max_compiles else ")"))
     print(f"\nrejected ({len(rejected)}):")
     for spec, preset, reason in rejected:
         print(f"  --mesh {spec} --rules {preset}: {reason}")

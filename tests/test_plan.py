@@ -19,6 +19,20 @@ def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
     assert "--mesh tensor=8 --rules tp: layers/attn/wk_DKH: dimension 2 (kv_heads, size 2)" in r.stdout
 
 
+def test_goes_down_the_ranking_until_enough_fit_once_compiled():
+    args = ["plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "3MiB", "--hardware", "cpu",
+            "--candidates", "2"]
+    r = run_script(*args)
+    assert r.returncode == 0, r.stderr
+    # Some of the fastest layouts fit by analytic memory (no activations) but not once compiled; they
+    # are rejected with the compiled figure and the planner compiles further until two fit.
+    compiled_out = [line for line in r.stdout.splitlines() if "compiled step needs" in line]
+    assert compiled_out and all("(arguments + temporaries) > budget 3.00 MiB" in line for line in compiled_out)
+    assert "  2. --mesh" in r.stdout and "  3. --mesh" not in r.stdout
+    capped = run_script(*args, "--max-compiles", "1")
+    assert "raise --candidates or --max-compiles" in capped.stdout and "  2. --mesh" not in capped.stdout
+
+
 def test_searches_expert_and_context_axes():
     r = run_script("plan", "--config", "tiny-moe", "--devices", "8", "--memory-per-device", "1GiB", "--hardware", "cpu",
                    "--axes", "data,context,expert", "--candidates", "2")
