@@ -1,7 +1,8 @@
 """Run configuration: frozen dataclasses, loaded from `configs/<name>.toml` plus `--set` overrides.
 
 A config file has up to five tables, `[model]`, `[train]`, `[data]`, `[checkpoint]` and
-`[attention]`; keys it leaves out take the defaults below. `--set train.learning_rate=1e-3` overrides one key, parsed to the key's type.
+`[attention]`; keys it leaves out take the defaults below. `--set train.learning_rate=1e-3`
+overrides one key, parsed to the key's type.
 """
 
 import dataclasses

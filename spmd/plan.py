@@ -107,6 +107,7 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
     from spmd.mesh import build_mesh
     from spmd.rules import load_rules
 
+    rules = {preset: load_rules(preset).with_attention(cfg.attention) for preset in PRESET_AXES}  # once, not per mesh
     for sizes in meshes(n, axes):
         used = {a for a, s in sizes.items() if s > 1}
         spec = ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "data=1"
@@ -114,7 +115,7 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
             if not used <= preset_axes or not REQUIRED[preset] <= used:
                 continue
             try:
-                plan = sharding_lib.plan(cfg.model, build_mesh(spec), load_rules(preset).with_attention(cfg.attention), cfg.train.global_batch_size,
+                plan = sharding_lib.plan(cfg.model, build_mesh(spec), rules[preset], cfg.train.global_batch_size,
                                          cfg.train.seq_len, cfg.train.microbatches)
                 yield spec, preset, plan, None
             except UserError as e:

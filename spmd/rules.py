@@ -66,10 +66,10 @@ class Rules:
         instead, so they still do work; axes shared with other names (Megatron SP's `tensor`) keep
         their other jobs."""
         seq_axes = tuple(dict.fromkeys(self.mapping.get("seq", ()) + self.mapping.get("act_seq", ())))
-        used = {a for n, axes in self.mapping.items() if n not in ("seq", "act_seq") for a in axes}
-        free = tuple(a for a in seq_axes if a not in used)
         if not seq_axes:
             return self
+        used = {a for n, axes in self.mapping.items() if n not in ("seq", "act_seq") for a in axes}
+        free = tuple(a for a in seq_axes if a not in used)
         mapping = dict(self.mapping, seq=(), act_seq=())
         for name in ("batch", "act_moe_batch"):
             if name in mapping:
