@@ -58,12 +58,22 @@ def _forward(q, k, v, seg, causal, scale, C):
         m_new = jnp.maximum(m_BKGT, s_BKGTC.max(axis=-1))
         p_BKGTC = jnp.exp(s_BKGTC - m_new[..., None])
         correction = jnp.exp(m_BKGT - m_new)
-        pv_BKGTH = jnp.einsum("BKGTC,BCKH->BKGTH", p_BKGTC.astype(v_BCKH.dtype), v_BCKH,
-                              preferred_element_type=jnp.float32)
-        return (correction[..., None] * acc_BKGTH + pv_BKGTH, m_new, correction * l_BKGT + p_BKGTC.sum(-1), c + 1), None
+        pv_BKGTH = jnp.einsum(
+            "BKGTC,BCKH->BKGTH", p_BKGTC.astype(v_BCKH.dtype), v_BCKH, preferred_element_type=jnp.float32
+        )
+        return (
+            correction[..., None] * acc_BKGTH + pv_BKGTH,
+            m_new,
+            correction * l_BKGT + p_BKGTC.sum(-1),
+            c + 1,
+        ), None
 
-    init = (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.full((B, K, G, T), MASK_VALUE, jnp.float32),
-            jnp.zeros((B, K, G, T), jnp.float32), _traced_zero(q))
+    init = (
+        jnp.zeros((B, K, G, T, H), jnp.float32),
+        jnp.full((B, K, G, T), MASK_VALUE, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        _traced_zero(q),
+    )
     (acc, m, l, _), _ = jax.lax.scan(step, init, (_chunks(k, C), _chunks(v, C), segc))
     out_BTNH = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
     return out_BTNH, (m + jnp.log(l)).reshape(B, N, T)
@@ -88,7 +98,9 @@ def _chunked_bwd(causal, scale, C, residuals, cotangents):
     to_groups = lambda x: x.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # noqa: E731  BTNH -> BKGTH
     q_BKGTH, do_BKGTH = to_groups(q), to_groups(do)
     lse_BKGT = lse.reshape(B, K, G, T)
-    delta_BKGT = (jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32)) - dlse).reshape(B, K, G, T)
+    delta_BKGT = (
+        jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32)) - dlse
+    ).reshape(B, K, G, T)
     segc = None if seg is None else _chunks(seg, C)
 
     def step(carry, xs):
@@ -105,8 +117,11 @@ def _chunked_bwd(causal, scale, C, residuals, cotangents):
         return (dq_BKGTH, c + 1), (dk_BCKH, dv_BCKH)
 
     n = -(-S // C)
-    (dq, _), (dk_n, dv_n) = jax.lax.scan(step, (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.zeros((), jnp.int32)),
-                                         (_chunks(k, C), _chunks(v, C), segc))
+    (dq, _), (dk_n, dv_n) = jax.lax.scan(
+        step,
+        (jnp.zeros((B, K, G, T, H), jnp.float32), jnp.zeros((), jnp.int32)),
+        (_chunks(k, C), _chunks(v, C), segc),
+    )
     unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * C, K, H)[:, :S]  # noqa: E731
     dq_BTNH = (dq * scale).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return dq_BTNH.astype(q.dtype), unchunk(dk_n).astype(k.dtype), unchunk(dv_n).astype(v.dtype), None
@@ -115,7 +130,9 @@ def _chunked_bwd(causal, scale, C, residuals, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunked_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None, chunk=128):
+def chunked_attention_with_lse(
+    q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None, chunk=128
+):
     """(out_BTNH, lse_BNT); same contract as flash_attention_with_lse."""
     if causal and k_BSKH.shape[1] != q_BTNH.shape[1]:
         raise ValueError("chunked_attention: causal masking needs as many keys as queries")
@@ -125,5 +142,6 @@ def chunked_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_i
 
 
 def chunked_attention(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None, chunk=128):
-    return chunked_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BT=segment_ids_BT,
-                                      scale=scale, chunk=chunk)[0]
+    return chunked_attention_with_lse(
+        q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BT=segment_ids_BT, scale=scale, chunk=chunk
+    )[0]

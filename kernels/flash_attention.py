@@ -88,25 +88,47 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, scal
         v_kH = v_ref[pl.ds(j * bk, bk), :]
         s_qk = jnp.dot(q_qH, k_kH.T, preferred_element_type=jnp.float32) * scale
         kseg = None if kseg_ref is None else kseg_ref[pl.ds(j * bk, bk)]
-        s_qk = jnp.where(_block_mask(q_pos, j * bk + jnp.arange(bk), kv_len, causal, qseg, kseg), s_qk, MASK_VALUE)
+        s_qk = jnp.where(
+            _block_mask(q_pos, j * bk + jnp.arange(bk), kv_len, causal, qseg, kseg), s_qk, MASK_VALUE
+        )
         m_new = jnp.maximum(m_q, s_qk.max(axis=-1))
         p_qk = jnp.exp(s_qk - m_new[:, None])
         correction = jnp.exp(m_q - m_new)
-        acc_qH = correction[:, None] * acc_qH + jnp.dot(p_qk.astype(v_kH.dtype), v_kH,
-                                                        preferred_element_type=jnp.float32)
+        acc_qH = correction[:, None] * acc_qH + jnp.dot(
+            p_qk.astype(v_kH.dtype), v_kH, preferred_element_type=jnp.float32
+        )
         return acc_qH, m_new, correction * l_q + p_qk.sum(axis=-1)
 
     n_k = k_ref.shape[0] // bk
     # Causal: key blocks entirely after this query block are never visited.
     upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
-    init = (jnp.zeros(q_qH.shape, jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    init = (
+        jnp.zeros(q_qH.shape, jnp.float32),
+        jnp.full((bq,), MASK_VALUE, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     acc_qH, m_q, l_q = jax.lax.fori_loop(0, upper, body, init)
     o_ref[...] = (acc_qH / l_q[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m_q + jnp.log(l_q)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk,
-               kv_len):
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    kseg_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    scale,
+    causal,
+    bq,
+    bk,
+    kv_len,
+):
     i = pl.program_id(2)
     q_qH, do_qH = q_ref[...], do_ref[...]
     lse_q, delta_q = lse_ref[...], delta_ref[...]
@@ -130,8 +152,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
     dq_ref[...] = (dq_qH * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
-                bq, bk, kv_len, groups):
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    kseg_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    causal,
+    bq,
+    bk,
+    kv_len,
+    groups,
+):
     j = pl.program_id(2)
     k_kH, v_kH = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
@@ -209,8 +248,10 @@ def _forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
         kernel,
         grid=(B, N, Tp // bq),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
-                   pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
+        ],
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
         interpret=interpret,
         name="flash_attention_fwd",
@@ -251,7 +292,16 @@ def _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes, int
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         interpret=interpret,
         name="flash_attention_dq",
-    )(qp, kp, vp, None if seg is None else segq[:, :Tp], None if seg is None else segk[:, :Sp], dop, lsep, deltap)
+    )(
+        qp,
+        kp,
+        vp,
+        None if seg is None else segq[:, :Tp],
+        None if seg is None else segk[:, :Sp],
+        dop,
+        lsep,
+        deltap,
+    )
 
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, groups=G, **common),
@@ -270,7 +320,16 @@ def _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes, int
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         interpret=interpret,
         name="flash_attention_dkv",
-    )(qp, kp, vp, None if seg is None else segq[:, :Tp], None if seg is None else segk[:, :Sp], dop, lsep, deltap)
+    )(
+        qp,
+        kp,
+        vp,
+        None if seg is None else segq[:, :Tp],
+        None if seg is None else segk[:, :Sp],
+        dop,
+        lsep,
+        deltap,
+    )
     return dq[:, :T], dk[:, :S], dv[:, :S]
 
 
@@ -298,18 +357,31 @@ def _flash_bwd(causal, scale, block_sizes, interpret, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None,
-                             block_sizes: BlockSizes = BlockSizes(), interpret: bool | None = None):
+def flash_attention_with_lse(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    causal=True,
+    segment_ids_BT=None,
+    scale=None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool | None = None,
+):
     """(out_BTNH, lse_BNT). `interpret` defaults to True on CPU (the only way Pallas runs there)."""
     B, T, N, H = q_BTNH.shape
     if k_BSKH.shape != v_BSKH.shape or k_BSKH.shape[0] != B or k_BSKH.shape[3] != H:
-        raise ValueError(f"flash_attention: k {k_BSKH.shape} and v {v_BSKH.shape} must be (B, S, K, H) for q {q_BTNH.shape}")
+        raise ValueError(
+            f"flash_attention: k {k_BSKH.shape} and v {v_BSKH.shape} must be (B, S, K, H) for q {q_BTNH.shape}"
+        )
     if N % k_BSKH.shape[2]:
         raise ValueError(f"flash_attention: {N} query heads do not divide into {k_BSKH.shape[2]} kv heads")
     if causal and k_BSKH.shape[1] != T:
         raise ValueError("flash_attention: causal masking needs as many keys as queries")
     if segment_ids_BT is not None and segment_ids_BT.shape != (B, T):
-        raise ValueError(f"flash_attention: segment_ids must be (B, T) = {(B, T)}, got {segment_ids_BT.shape}")
+        raise ValueError(
+            f"flash_attention: segment_ids must be (B, T) = {(B, T)}, got {segment_ids_BT.shape}"
+        )
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
     scale = H**-0.5 if scale is None else float(scale)
@@ -317,8 +389,25 @@ def flash_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids
     return _flash(q_BTNH, k_BSKH, v_BSKH, seg, causal, scale, block_sizes, interpret)
 
 
-def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None,
-                    block_sizes: BlockSizes = BlockSizes(), interpret: bool | None = None):
+def flash_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    causal=True,
+    segment_ids_BT=None,
+    scale=None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool | None = None,
+):
     """Attention output (B, T, N, H), memory O(T) in the sequence length."""
-    return flash_attention_with_lse(q_BTNH, k_BSKH, v_BSKH, causal=causal, segment_ids_BT=segment_ids_BT,
-                                    scale=scale, block_sizes=block_sizes, interpret=interpret)[0]
+    return flash_attention_with_lse(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        causal=causal,
+        segment_ids_BT=segment_ids_BT,
+        scale=scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )[0]

@@ -65,8 +65,10 @@ def computed_blocks(T: int, n: int, layout: str, pieces: int | None = None) -> l
     perm = layout_permutation(T, n, layout)
     c = sub_chunks(layout) if pieces is None else pieces
     local = perm.reshape(n, c, -1)  # device, piece, positions
-    return [sum(bool(visible(local[i, a], local[j, b])) for j in range(n) for a in range(c) for b in range(c))
-            for i in range(n)]
+    return [
+        sum(bool(visible(local[i, a], local[j, b])) for j in range(n) for a in range(c) for b in range(c))
+        for i in range(n)
+    ]
 
 
 def _mask(qpos_Bt, kpos_Bs, qseg_Bt, kseg_Bs, causal):
@@ -84,8 +86,9 @@ def _scores(q_BtKGH, k_BsKH, qpos, kpos, qseg, kseg, causal, scale):
     return s_BKGts, mask_Bts[:, None, None]
 
 
-def masked_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, causal=True,
-                     scale=None):
+def masked_attention(
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, causal=True, scale=None
+):
     """Plain softmax attention with masks from positions and segment ids: the reference."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
@@ -93,8 +96,9 @@ def masked_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT=None, 
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     s, mask = _scores(q_BTKGH, k_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, causal, scale)
     p_BKGTS = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH,
-                           preferred_element_type=jnp.float32)
+    out_BTKGH = jnp.einsum(
+        "BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
+    )
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
@@ -108,12 +112,14 @@ def _split(x, c, axis=1):
 def _rotate(xs, axis_name, n):
     """Send every array to the next device on the ring (device i -> i+1)."""
     perm = [(i, (i + 1) % n) for i in range(n)]
-    return jax.tree.map(lambda x: None if x is None else jax.lax.ppermute(x, axis_name, perm), xs,
-                        is_leaf=lambda x: x is None)
+    return jax.tree.map(
+        lambda x: None if x is None else jax.lax.ppermute(x, axis_name, perm), xs, is_leaf=lambda x: x is None
+    )
 
 
 def _ring_pass(attend_block, state, kv, axis_name, n):
     """n - 1 steps that attend the visiting block and pass it on; the last block is attended and kept."""
+
     def step(_, carry):
         state, kv = carry
         return attend_block(state, kv), _rotate(kv, axis_name, n)
@@ -125,6 +131,7 @@ def _ring_pass(attend_block, state, kv, axis_name, n):
 def _ring_pass_backward(block_grads, dq, k, v, kpos, kseg, axis_name, n):
     """The backward ring: dK/dV accumulators ride with their block and, after n hops, are back with
     the block's owner. Returns (dq pieces, dk, dv) in fp32."""
+
     def step(_, carry):
         dq, kv, dkv = carry
         dq, dkv = block_grads(dq, kv, dkv)
@@ -190,16 +197,25 @@ def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, s
     q_pieces = [_merge_heads(piece, K) for piece in _split(q, c)]
     qpos_p, qseg_p = _split(qpos, c), _split(qseg, c) if qseg is not None else [None] * c
     # Online-softmax state per query piece: running max m, sum l (b, Q), unnormalised output o.
-    state = [(jnp.full((B * K, G * t), -jnp.inf, jnp.float32), jnp.zeros((B * K, G * t), jnp.float32),
-              jnp.zeros((B * K, G * t, H), jnp.float32)) for _ in range(c)]
+    state = [
+        (
+            jnp.full((B * K, G * t), -jnp.inf, jnp.float32),
+            jnp.zeros((B * K, G * t), jnp.float32),
+            jnp.zeros((B * K, G * t, H), jnp.float32),
+        )
+        for _ in range(c)
+    ]
 
     def attend_chunk(state, chunk):
         k_c, v_c, kpos_c, kseg_c = chunk
         new = []
         for a in range(c):
+
             def update(st, a=a):
                 m, l, o = st
-                s, mask = _block_scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G)
+                s, mask = _block_scores(
+                    q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G
+                )
                 s = jnp.where(mask, s, MASK_VALUE)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
@@ -208,8 +224,11 @@ def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, s
                 return m_new, alpha * l + p.sum(-1), o * alpha[..., None] + pv
 
             # Skip (query piece, key chunk) pairs that causality masks out entirely.
-            new.append(jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda st: st, state[a]) if causal
-                       else update(state[a]))
+            new.append(
+                jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda st: st, state[a])
+                if causal
+                else update(state[a])
+            )
         return new, None
 
     def attend_block(state, kv):
@@ -237,9 +256,12 @@ def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n
         k_c, v_c, kpos_c, kseg_c, dk_c, dv_c = chunk
         dq = list(dq)
         for a in range(c):
+
             def update(grads, a=a):
                 dq_a, dk_c, dv_c = grads
-                s, mask = _block_scores(q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G)
+                s, mask = _block_scores(
+                    q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G
+                )
                 p = jnp.where(mask, jnp.exp(s - lse[a][..., None]), 0.0)
                 dv_c = dv_c + jnp.einsum("bQs,bQH->bsH", p, do_p[a])
                 dp = jnp.einsum("bQH,bsH->bQs", do_p[a], v_c.astype(jnp.float32))
@@ -249,8 +271,11 @@ def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n
                 return dq_a, dk_c, dv_c
 
             grads = (dq[a], dk_c, dv_c)
-            dq[a], dk_c, dv_c = (jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda g: g, grads) if causal
-                                 else update(grads))
+            dq[a], dk_c, dv_c = (
+                jax.lax.cond(visible(qpos_p[a], kpos_c), update, lambda g: g, grads)
+                if causal
+                else update(grads)
+            )
         return dq, (dk_c, dv_c)
 
     def block_grads(dq, kv, dkv):
@@ -276,7 +301,9 @@ def _ring_fwd(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, scale
 
 def _ring_bwd(axis_name, n, causal, c, C, scale, residuals, dout):
     q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
-    dq, dk, dv = _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, C, scale)
+    dq, dk, dv = _ring_backward(
+        q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, C, scale
+    )
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
     return dq, dk, dv, no_grad(qpos), no_grad(kpos), no_grad(qseg), no_grad(kseg)
 
@@ -284,8 +311,20 @@ def _ring_bwd(axis_name, n, causal, c, C, scale, residuals, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=None, *, axis_name, axis_size: int,
-                   causal: bool = True, sub_chunks: int = 1, key_chunk: int = 512, scale=None):
+def ring_attention(
+    q_BtNH,
+    k_BsKH,
+    v_BsKH,
+    positions_Bt,
+    segment_ids_Bt=None,
+    *,
+    axis_name,
+    axis_size: int,
+    causal: bool = True,
+    sub_chunks: int = 1,
+    key_chunk: int = 512,
+    scale=None,
+):
     """Attention of this device's queries to every device's keys; call inside shard_map with the
     sequence sharded over `axis_name` (of `axis_size` devices). Positions (and segment ids) are
     this device's tokens'; they travel with K/V.
@@ -304,8 +343,21 @@ def ring_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=None, *,
     # Positions are often constants (the layout permutation); made to depend on q, the masks are
     # not hoisted out of a differentiated layer scan and stacked (see chunked_attention._traced_zero).
     positions_Bt = positions_Bt + _traced_zero(q_BtNH)
-    return _ring(q_BtNH, k_BsKH, v_BsKH, positions_Bt, positions_Bt, segment_ids_Bt, segment_ids_Bt,
-                 axis_name, axis_size, causal, sub_chunks, C, scale)
+    return _ring(
+        q_BtNH,
+        k_BsKH,
+        v_BsKH,
+        positions_Bt,
+        positions_Bt,
+        segment_ids_Bt,
+        segment_ids_Bt,
+        axis_name,
+        axis_size,
+        causal,
+        sub_chunks,
+        C,
+        scale,
+    )
 
 
 # ----------------------------------------------------------------------------- the ring, Pallas blocks
@@ -326,7 +378,9 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
     q_p, qpos_p = _split(q, c), _split(qpos, c)
     qseg_p = _split(qseg, c) if qseg is not None else [None] * c
     # Per query piece: the merged output (fp32) and log-sum-exp (B, N, t).
-    state = [(jnp.zeros((B, t, N, H), jnp.float32), jnp.full((B, N, t), -jnp.inf, jnp.float32)) for _ in range(c)]
+    state = [
+        (jnp.zeros((B, t, N, H), jnp.float32), jnp.full((B, N, t), -jnp.inf, jnp.float32)) for _ in range(c)
+    ]
 
     def attend_block(state, kv):
         k, v, kpos, kseg = kv
@@ -347,8 +401,11 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
                     return o * w_old + o_b.astype(jnp.float32) * w_new, lse_new
 
                 if causal:
-                    st = jax.lax.switch(_relation(qpos_p[a], kpos_p[b]),
-                                        [lambda st: st, lambda st: attend(st, False), lambda st: attend(st, True)], st)
+                    st = jax.lax.switch(
+                        _relation(qpos_p[a], kpos_p[b]),
+                        [lambda st: st, lambda st: attend(st, False), lambda st: attend(st, True)],
+                        st,
+                    )
                 else:
                     st = attend(st, False)
             new.append(st)
@@ -359,8 +416,9 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
     return out, jnp.concatenate([lse for _, lse in state], axis=-1)  # lse: B N T
 
 
-def _flash_ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs,
-                         interpret):
+def _flash_ring_backward(
+    q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret
+):
     from kernels.flash_attention import _backward
 
     q_p, o_p, do_p, lse_p = _split(q, c), _split(out, c), _split(dout, c), _split(lse, c, axis=-1)
@@ -380,14 +438,33 @@ def _flash_ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_n
                 # With the merged output and lse, the kernel's backward gives this block's share.
                 def grads(g, diagonal, a=a, b=b, seg=seg):
                     dq_a, dk_b, dv_b = g
-                    dq_ab, dk_ab, dv_ab = _backward(q_p[a], k_p[b], v_p[b], seg, o_p[a], lse_p[a], do_p[a],
-                                                    jnp.zeros_like(lse_p[a]), diagonal, scale, bs, interpret)
-                    return dq_a + dq_ab.astype(jnp.float32), dk_b + dk_ab.astype(jnp.float32), dv_b + dv_ab.astype(jnp.float32)
+                    dq_ab, dk_ab, dv_ab = _backward(
+                        q_p[a],
+                        k_p[b],
+                        v_p[b],
+                        seg,
+                        o_p[a],
+                        lse_p[a],
+                        do_p[a],
+                        jnp.zeros_like(lse_p[a]),
+                        diagonal,
+                        scale,
+                        bs,
+                        interpret,
+                    )
+                    return (
+                        dq_a + dq_ab.astype(jnp.float32),
+                        dk_b + dk_ab.astype(jnp.float32),
+                        dv_b + dv_ab.astype(jnp.float32),
+                    )
 
                 g = (dq[a], dk_p[b], dv_p[b])
                 if causal:
-                    g = jax.lax.switch(_relation(qpos_p[a], kpos_p[b]),
-                                       [lambda g: g, lambda g: grads(g, False), lambda g: grads(g, True)], g)
+                    g = jax.lax.switch(
+                        _relation(qpos_p[a], kpos_p[b]),
+                        [lambda g: g, lambda g: grads(g, False), lambda g: grads(g, True)],
+                        g,
+                    )
                 else:
                     g = grads(g, False)
                 dq[a], dk_p[b], dv_p[b] = g
@@ -402,18 +479,23 @@ def _flash_ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_n
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
 def _flash_ring(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
-    return _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret)[0]
+    return _flash_ring_forward(
+        q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret
+    )[0]
 
 
 def _flash_ring_fwd(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
-    out, lse = _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret)
+    out, lse = _flash_ring_forward(
+        q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret
+    )
     return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
 
 
 def _flash_ring_bwd(axis_name, n, causal, c, scale, bs, interpret, residuals, dout):
     q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
-    dq, dk, dv = _flash_ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c,
-                                      scale, bs, interpret)
+    dq, dk, dv = _flash_ring_backward(
+        q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret
+    )
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
     return dq, dk, dv, no_grad(qpos), no_grad(kpos), no_grad(qseg), no_grad(kseg)
 
@@ -421,9 +503,21 @@ def _flash_ring_bwd(axis_name, n, causal, c, scale, bs, interpret, residuals, do
 _flash_ring.defvjp(_flash_ring_fwd, _flash_ring_bwd)
 
 
-def ring_flash_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=None, *, axis_name, axis_size: int,
-                         causal: bool = True, sub_chunks: int = 1, scale=None, block_sizes=None,
-                         interpret: bool | None = None):
+def ring_flash_attention(
+    q_BtNH,
+    k_BsKH,
+    v_BsKH,
+    positions_Bt,
+    segment_ids_Bt=None,
+    *,
+    axis_name,
+    axis_size: int,
+    causal: bool = True,
+    sub_chunks: int = 1,
+    scale=None,
+    block_sizes=None,
+    interpret: bool | None = None,
+):
     """`ring_attention` with every block computed by the Pallas flash kernel (forward, and its dq /
     dk-dv kernels in the backward). Causal masking is the kernel's (by index), so the layout must
     be zigzag or contiguous (pieces of consecutive positions, `sub_chunks` per device); a block is
@@ -435,5 +529,19 @@ def ring_flash_attention(q_BtNH, k_BsKH, v_BsKH, positions_Bt, segment_ids_Bt=No
         interpret = jax.devices()[0].platform == "cpu"
     positions_Bt = positions_Bt + _traced_zero(q_BtNH)
     seg = None if segment_ids_Bt is None else segment_ids_Bt.astype(jnp.int32)
-    return _flash_ring(q_BtNH, k_BsKH, v_BsKH, positions_Bt, positions_Bt, seg, seg, axis_name, axis_size, causal,
-                       sub_chunks, scale, block_sizes or BlockSizes(), interpret)
+    return _flash_ring(
+        q_BtNH,
+        k_BsKH,
+        v_BsKH,
+        positions_Bt,
+        positions_Bt,
+        seg,
+        seg,
+        axis_name,
+        axis_size,
+        causal,
+        sub_chunks,
+        scale,
+        block_sizes or BlockSizes(),
+        interpret,
+    )

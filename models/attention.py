@@ -57,7 +57,8 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
     """The Pallas flash kernel, run per device on its batch and head shards (GSPMD cannot split a
     kernel call itself)."""
     return per_shard(functools.partial(flash_attention, causal=causal), (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(
-        q_BTNH, k_BSKH, v_BSKH)
+        q_BTNH, k_BSKH, v_BSKH
+    )
 
 
 ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": pallas_attention}
@@ -71,9 +72,18 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str):
     sequence over devices, context parallelism (ring, Ulysses or all-gather) takes over; the tokens'
     positions then define the mask, since the sequence may be permuted for load balance."""
     if context.active() is not None:
-        return context.context_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, causal=True,
-                                         local_impl=LOCAL_IMPLS[impl], kernel=impl == "pallas")
+        return context.context_attention(
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            positions_BT,
+            causal=True,
+            local_impl=LOCAL_IMPLS[impl],
+            kernel=impl == "pallas",
+        )
     return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+
+
 CHOICES = (*ATTENTION_IMPLS, "auto")
 
 
@@ -82,16 +92,25 @@ def resolve(name: str, seq_len: int, platform: str | None = None) -> str:
     CHUNKED_FROM positions and xla below. Raises ValueError where the choice cannot run."""
     platform = platform or jax.devices()[0].platform
     if name == "auto":
-        return "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else ("chunked" if seq_len >= CHUNKED_FROM else "xla")
+        return (
+            "pallas"
+            if platform in ("gpu", "cuda", "rocm", "tpu")
+            else ("chunked" if seq_len >= CHUNKED_FROM else "xla")
+        )
     if name == "pallas" and platform == "tpu":
-        raise ValueError("attention_impl=pallas is built and tested for GPU (Triton) and CPU (interpret mode), "
-                         "not TPU; use chunked or xla there")
+        raise ValueError(
+            "attention_impl=pallas is built and tested for GPU (Triton) and CPU (interpret mode), "
+            "not TPU; use chunked or xla there"
+        )
     return name
 
 
 def describe(name: str, seq_len: int, platform: str | None = None) -> str:
     platform = platform or jax.devices()[0].platform
     impl = resolve(name, seq_len, platform)
-    note = {"pallas": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Triton)",
-            "chunked": " (O(T) memory)", "xla": ""}[impl]
+    note = {
+        "pallas": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Triton)",
+        "chunked": " (O(T) memory)",
+        "xla": "",
+    }[impl]
     return (f"{name} -> {impl}" if name != impl else impl) + note

@@ -98,17 +98,23 @@ class ModelConfig:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in ("float32", "bfloat16", "float16"):
-                problems.append(f"model.{key} must be float32, bfloat16 or float16, got {getattr(self, key)!r}")
+                problems.append(
+                    f"model.{key} must be float32, bfloat16 or float16, got {getattr(self, key)!r}"
+                )
         if self.remat not in REMAT_POLICIES:
             problems.append(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_experts < 0 or self.n_shared_experts < 0 or self.d_ff_expert < 0:
             problems.append("model.n_experts, model.n_shared_experts and model.d_ff_expert must be >= 0")
         if self.n_experts:
             if not 1 <= self.top_k <= self.n_experts:
-                problems.append(f"model.top_k ({self.top_k}) must be between 1 and model.n_experts ({self.n_experts})")
+                problems.append(
+                    f"model.top_k ({self.top_k}) must be between 1 and model.n_experts ({self.n_experts})"
+                )
             if self.moe_every < 1 or self.n_layers % self.moe_every:
-                problems.append(f"model.n_layers ({self.n_layers}) must be a multiple of model.moe_every "
-                                f"({self.moe_every})")
+                problems.append(
+                    f"model.n_layers ({self.n_layers}) must be a multiple of model.moe_every "
+                    f"({self.moe_every})"
+                )
             if self.router_score not in ("softmax", "sigmoid"):
                 problems.append(f"model.router_score must be softmax or sigmoid, got {self.router_score!r}")
             if self.moe_dispatch not in ("capacity", "dropless"):
@@ -133,7 +139,9 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
     """
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
     if not can_merge(lead_axes):
-        return jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+        return jax.lax.dot_general(
+            x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+        )
     y = x.reshape(math.prod(lead), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
     return y.reshape(*lead, *out)
 
@@ -173,8 +181,9 @@ class Attention(nnx.Module):
         self.wk_DKH = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
         self.wv_DKH = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
         # Output projection scaled down with depth (GPT-2 style) so the residual stays O(1).
-        self.wo_NHD = _param(rngs, cfg, (N, H, D), ("heads", "head_dim", "embed"),
-                             std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.wo_NHD = _param(
+            rngs, cfg, (N, H, D), ("heads", "head_dim", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        )
 
     def __call__(self, x_BTD, positions_BT, kv=None):
         """kv: None (training: causal over this sequence), or (k_BSKH, v_BSKH, positions_BS, index)
@@ -193,8 +202,13 @@ class Attention(nnx.Module):
             k_BSKH, v_BSKH, positions_BS, index = kv
             k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
             v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
-            out_BTNH = attention.xla_attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt),
-                                     q_positions_BT=positions_BT, k_positions_BS=positions_BS)
+            out_BTNH = attention.xla_attention(
+                q_BTNH,
+                k_BSKH.astype(dt),
+                v_BSKH.astype(dt),
+                q_positions_BT=positions_BT,
+                k_positions_BS=positions_BS,
+            )
             new_kv = (k_BSKH, v_BSKH)
         return project(out_BTNH, self.wo_NHD[...].astype(dt), n_in=2), new_kv  # BTNH,NHD->BTD
 
@@ -206,7 +220,9 @@ class MLP(nnx.Module):
         D, F = cfg.d_model, d_ff or cfg.d_ff
         self.w_gate_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
         self.w_up_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
-        self.w_down_FD = _param(rngs, cfg, (F, D), ("mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.w_down_FD = _param(
+            rngs, cfg, (F, D), ("mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        )
 
     def __call__(self, x_BTD):
         dt = x_BTD.dtype
@@ -244,8 +260,12 @@ def layer_groups(cfg: ModelConfig) -> tuple[int, int, bool]:
 
 
 class Decoder(nnx.Module):
-    ACTIVATION_AXES = {"activation residual_BTD": RESIDUAL_AXES, "activation logits_BTV": LOGITS_AXES,
-                       "kv cache": KV_CACHE_AXES, "moe dispatched_BECD": DISPATCHED_AXES}
+    ACTIVATION_AXES = {
+        "activation residual_BTD": RESIDUAL_AXES,
+        "activation logits_BTV": LOGITS_AXES,
+        "kv cache": KV_CACHE_AXES,
+        "moe dispatched_BECD": DISPATCHED_AXES,
+    }
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -291,15 +311,22 @@ class Decoder(nnx.Module):
         if has_moe:
             graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
         if cache is not None:
-            positions_BS = jax.lax.dynamic_update_slice_in_dim(cache.positions_BS, positions_BT, cache.index, axis=1)
-            xs["k"], xs["v"] = (c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH))
+            positions_BS = jax.lax.dynamic_update_slice_in_dim(
+                cache.positions_BS, positions_BT, cache.index, axis=1
+            )
+            xs["k"], xs["v"] = (
+                c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH)
+            )
 
         def group(x_BTD, xs):
             new_k, new_v, stats = [], [], None
             for i in range(per_group):
                 moe = i == dense_per_group
-                block = nnx.merge(graphdefs["moe"], xs["moe"]) if moe else nnx.merge(
-                    graphdefs["dense"], jax.tree.map(lambda a: a[i], xs["dense"]))
+                block = (
+                    nnx.merge(graphdefs["moe"], xs["moe"])
+                    if moe
+                    else nnx.merge(graphdefs["dense"], jax.tree.map(lambda a: a[i], xs["dense"]))
+                )
                 kv = None if cache is None else (xs["k"][i], xs["v"][i], positions_BS, cache.index)
                 x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv)
                 x_BTD = constrain(x_BTD, RESIDUAL_AXES)
@@ -315,8 +342,12 @@ class Decoder(nnx.Module):
         x_BTD, (kv_out, stats) = jax.lax.scan(group, x_BTD, xs, unroll=min(cfg.scan_unroll, groups))
         if cache is not None:
             k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_out)
-            cache = KVCache(constrain(k_LBSKH, KV_CACHE_AXES), constrain(v_LBSKH, KV_CACHE_AXES), positions_BS,
-                            cache.index + tokens_BT.shape[1])
+            cache = KVCache(
+                constrain(k_LBSKH, KV_CACHE_AXES),
+                constrain(v_LBSKH, KV_CACHE_AXES),
+                positions_BS,
+                cache.index + tokens_BT.shape[1],
+            )
 
         x_BTD = self.final_norm(x_BTD)
         if cfg.tie_embeddings:
@@ -346,8 +377,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     The embedding lookup is a gather, not a matmul, so its parameters are not counted (a tied
     table is counted once, as the output head). MoE layers count the k experts a token uses.
     """
-    matmul_params = (count_params(cfg, include_embedding=False, active=True)
-                     + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0))
+    matmul_params = count_params(cfg, include_embedding=False, active=True) + (
+        cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0
+    )
     # QK^T and PV: 2 matmuls x 2 FLOPs x T x N*H per token forward, x3 for forward+backward, /2 causal.
     attention = 3 * 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers / 2
     return 6 * matmul_params + attention

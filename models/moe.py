@@ -100,8 +100,9 @@ class MoE(nnx.Module):
         self.router_DE = _param(rngs, cfg, (D, E), ("embed", "expert"))
         self.w_gate_EDF = _param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
         self.w_up_EDF = _param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
-        self.w_down_EFD = _param(rngs, cfg, (E, F, D), ("expert", "mlp", "embed"),
-                                 std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.w_down_EFD = _param(
+            rngs, cfg, (E, F, D), ("expert", "mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        )
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, rngs=rngs, d_ff=cfg.n_shared_experts * F)
 
@@ -109,8 +110,9 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, x_BTD.dtype
         B, T, _ = x_BTD.shape
         E, k = cfg.n_experts, cfg.top_k
-        logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD, self.router_DE[...].astype(dt),
-                                preferred_element_type=jnp.float32)
+        logits_BTE = jnp.einsum(
+            "BTD,DE->BTE", x_BTD, self.router_DE[...].astype(dt), preferred_element_type=jnp.float32
+        )
         r = route(logits_BTE, k, cfg.router_score)
         w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD))
         load_E = jnp.sum(jax.nn.one_hot(r.experts_BTk, E, dtype=jnp.int32), axis=(0, 1, 2))
@@ -130,8 +132,13 @@ class MoE(nnx.Module):
             dropped = jnp.zeros((), jnp.int32)
         if cfg.n_shared_experts:
             out_BTD = out_BTD + self.shared(x_BTD)
-        stats = MoEStats(r.aux_loss, r.z_loss, dropped.astype(jnp.float32), jnp.float32(B * T * k),
-                         load_E.astype(jnp.float32))
+        stats = MoEStats(
+            r.aux_loss,
+            r.z_loss,
+            dropped.astype(jnp.float32),
+            jnp.float32(B * T * k),
+            load_E.astype(jnp.float32),
+        )
         return out_BTD.astype(dt), stats
 
 
@@ -141,8 +148,9 @@ def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
     faster; the merge moves no data since B is the major axis)."""
     B, E, C, D = x_BECD.shape
     x_EMD = x_BECD.transpose(1, 0, 2, 3).reshape(E, B * C, D)
-    h_EMF = (jax.nn.silu(jnp.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF))
-             * jnp.einsum("EMD,EDF->EMF", x_EMD, w_up_EDF))
+    h_EMF = jax.nn.silu(jnp.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF)) * jnp.einsum(
+        "EMD,EDF->EMF", x_EMD, w_up_EDF
+    )
     y_EMD = jnp.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD)
     return y_EMD.reshape(E, B, C, D).transpose(1, 0, 2, 3)
 
@@ -158,8 +166,9 @@ def dropless_reference(x_TD, experts_Tk, weights_Tk, w_gate_EDF, w_up_EDF, w_dow
     token_M = order_M // k
     sizes_E = jnp.bincount(e_M, length=E).astype(jnp.int32)
     x_MD = x_TD[token_M]
-    h_MF = (jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E))
-            * jax.lax.ragged_dot(x_MD, w_up_EDF, sizes_E))
+    h_MF = jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E)) * jax.lax.ragged_dot(
+        x_MD, w_up_EDF, sizes_E
+    )
     y_MD = jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)
     w_M = weights_Tk.reshape(-1)[order_M].astype(y_MD.dtype)
     return jnp.zeros((T, D), y_MD.dtype).at[token_M].add(y_MD * w_M[:, None])

@@ -40,14 +40,21 @@ def cpu_memory(lengths):
     for T in lengths:
         temps = {}
         for impl in ("xla", "chunked"):
-            cfg = load_config("tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"])
+            cfg = load_config(
+                "tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]
+            )
             plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), 1, T)
             trainer = build_trainer(cfg, plan)
             batch = trainer.abstract_batch(1, T)
             state = trainer.abstract_state
-            temps[impl] = trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-        print(f"| {T:,} | {fmt_bytes(temps['xla'])} | {fmt_bytes(temps['chunked'])} | "
-              f"{temps['xla'] / temps['chunked']:.1f}x |", flush=True)
+            temps[impl] = (
+                trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+            )
+        print(
+            f"| {T:,} | {fmt_bytes(temps['xla'])} | {fmt_bytes(temps['chunked'])} | "
+            f"{temps['xla'] / temps['chunked']:.1f}x |",
+            flush=True,
+        )
 
 
 def gpu_throughput(lengths, repeats=10):
@@ -59,7 +66,9 @@ def gpu_throughput(lengths, repeats=10):
 
     impls = {
         "pallas": lambda q, k, v, c: flash_attention(q, k, v, causal=c),
-        "cudnn": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn"),
+        "cudnn": lambda q, k, v, c: jax.nn.dot_product_attention(
+            q, k, v, is_causal=c, implementation="cudnn"
+        ),
         "xla": lambda q, k, v, c: xla_attention(q, k, v, causal=c),
     }
     print("\n| T | H | causal | impl | fwd TFLOP/s | fwd+bwd TFLOP/s |")
@@ -73,8 +82,12 @@ def gpu_throughput(lengths, repeats=10):
                 flops = 4 * B * N * T * T * H / (2 if causal else 1)
                 for name, fn in impls.items():
                     fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, causal))
-                    bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v, causal).astype(jnp.float32).sum(),
-                                           argnums=(0, 1, 2)))
+                    bwd = jax.jit(
+                        jax.grad(
+                            lambda q, k, v, fn=fn: fn(q, k, v, causal).astype(jnp.float32).sum(),
+                            argnums=(0, 1, 2),
+                        )
+                    )
                     row = []
                     for f, mult in ((fwd, 1.0), (bwd, 2.5)):
                         try:

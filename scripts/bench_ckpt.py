@@ -39,9 +39,20 @@ def main() -> None:
     from spmd.rules import load_rules
     from spmd.train import build_trainer
 
-    cfg = load_config("small", [f"model.n_layers={args.layers}", "model.d_model=1024", "model.n_heads=16",
-                                "model.n_kv_heads=8", "model.head_dim=64", "model.d_ff=4096",
-                                "model.scan_unroll=1", "train.global_batch_size=4", "train.seq_len=128"])
+    cfg = load_config(
+        "small",
+        [
+            f"model.n_layers={args.layers}",
+            "model.d_model=1024",
+            "model.n_heads=16",
+            "model.n_kv_heads=8",
+            "model.head_dim=64",
+            "model.d_ff=4096",
+            "model.scan_unroll=1",
+            "train.global_batch_size=4",
+            "train.seq_len=128",
+        ],
+    )
     mesh = build_mesh("", devices=jax.devices()[:1])
     plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), 4, 128)
     trainer = build_trainer(cfg, plan)
@@ -112,19 +123,27 @@ def main() -> None:
 
     mb = n_bytes / 2**20
     med = statistics.median
-    print(f"\nstate: {sum(x.size for x in jax.tree.leaves(state['params'])):,} params + AdamW moments, "
-          f"{mb:,.0f} MiB; median of {args.repeats}; dir {root}\n")
+    print(
+        f"\nstate: {sum(x.size for x in jax.tree.leaves(state['params'])):,} params + AdamW moments, "
+        f"{mb:,.0f} MiB; median of {args.repeats}; dir {root}\n"
+    )
     print("| operation | seconds | MiB/s | ratio to raw disk |")
     print("|---|---:|---:|---:|")
     print(f"| raw sequential write + fsync | {med(raw_w):.2f} | {mb / med(raw_w):,.0f} | 1.00 |")
-    print(f"| checkpoint save (sync, to commit) | {med(save_t):.2f} | {mb / med(save_t):,.0f} | {med(raw_w) / med(save_t):.2f} |")
+    print(
+        f"| checkpoint save (sync, to commit) | {med(save_t):.2f} | {mb / med(save_t):,.0f} | {med(raw_w) / med(save_t):.2f} |"
+    )
     print(f"| raw sequential read | {med(raw_r):.2f} | {mb / med(raw_r):,.0f} | 1.00 |")
-    print(f"| checkpoint restore | {med(restore_t):.2f} | {mb / med(restore_t):,.0f} | {med(raw_r) / med(restore_t):.2f} |")
-    print(f"\nasync save: save() blocked the loop {blocking * 1e3:.0f} ms; the write finished in the background after "
-          f"{background:.2f} s, during which {len(during)} steps ran at a median {med(during) * 1e3:.0f} ms vs "
-          f"{med(normal) * 1e3:.0f} ms normally: stall {med(during) / med(normal):.2f}x "
-          f"(including the blocking part over those steps: "
-          f"{(sum(during) + blocking) / len(during) / med(normal):.2f}x)")
+    print(
+        f"| checkpoint restore | {med(restore_t):.2f} | {mb / med(restore_t):,.0f} | {med(raw_r) / med(restore_t):.2f} |"
+    )
+    print(
+        f"\nasync save: save() blocked the loop {blocking * 1e3:.0f} ms; the write finished in the background after "
+        f"{background:.2f} s, during which {len(during)} steps ran at a median {med(during) * 1e3:.0f} ms vs "
+        f"{med(normal) * 1e3:.0f} ms normally: stall {med(during) / med(normal):.2f}x "
+        f"(including the blocking part over those steps: "
+        f"{(sum(during) + blocking) / len(during) / med(normal):.2f}x)"
+    )
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -38,13 +38,27 @@ from spmd.rules import load_rules  # noqa: E402
 from spmd.sharding import fmt_bytes  # noqa: E402
 from spmd.train import build_trainer  # noqa: E402
 
-MODEL = ["model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=16", "model.d_model=128", "model.d_ff=384",
-         "model.n_layers=2"]
+MODEL = [
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.head_dim=16",
+    "model.d_model=128",
+    "model.d_ff=384",
+    "model.n_layers=2",
+]
 
 
 def trainer_for(T, n, rules, batch=1, impl="chunked"):
-    cfg = load_config("tiny", MODEL + [f"train.seq_len={T}", f"train.global_batch_size={batch}",
-                                       f"model.attention_impl={impl}", "train.eval_every=0"])
+    cfg = load_config(
+        "tiny",
+        MODEL
+        + [
+            f"train.seq_len={T}",
+            f"train.global_batch_size={batch}",
+            f"model.attention_impl={impl}",
+            "train.eval_every=0",
+        ],
+    )
     mesh = build_mesh(f"context={n}" if n > 1 else "", devices=jax.devices()[:n])
     plan = sharding_lib.plan(cfg.model, mesh, load_rules(rules), batch, T)
     return cfg, build_trainer(cfg, plan)
@@ -74,7 +88,9 @@ def memory_table(budget, lengths):
     print("\n| context | longest T within budget | vs context=1 |\n|---:|---:|---:|")
     for n in (1, 2, 4, 8):
         T = longest.get(n)
-        print(f"| {n} | {T and f'{T:,}' or '-'} | {T / longest[1] if T and longest.get(1) else float('nan'):.0f}x |")
+        print(
+            f"| {n} | {T and f'{T:,}' or '-'} | {T / longest[1] if T and longest.get(1) else float('nan'):.0f}x |"
+        )
 
 
 def time_table(T, batch, steps):
@@ -99,7 +115,9 @@ def time_table(T, batch, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--budget-mib", type=float, default=256)
     parser.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536")
     parser.add_argument("--time-seq-len", type=int, default=4096)

@@ -35,8 +35,10 @@ def main() -> None:
     from spmd.train import build_trainer
 
     cfg = load_config(args.config)
-    print(f"\n`{args.config}` ({cfg.model.dtype} compute), 1 CPU device ({jax.devices()[0].device_kind}), prompt "
-          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature 0.8, top-k 40\n")
+    print(
+        f"\n`{args.config}` ({cfg.model.dtype} compute), 1 CPU device ({jax.devices()[0].device_kind}), prompt "
+        f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature 0.8, top-k 40\n"
+    )
     print("| batch | decode tokens/s | ms per step | prefill ms |")
     print("|---:|---:|---:|---:|")
     for batch in (1, 16):
@@ -49,7 +51,9 @@ def main() -> None:
         sampler.generate(prompts, args.new_tokens, 0.8, 40, 0)  # compile
         stamps = []
         t0 = time.perf_counter()
-        sampler.generate(prompts, args.new_tokens, 0.8, 40, 1, on_token=lambda t, _: stamps.append(time.perf_counter()))
+        sampler.generate(
+            prompts, args.new_tokens, 0.8, 40, 1, on_token=lambda t, _: stamps.append(time.perf_counter())
+        )
         prefill = stamps[0] - t0
         step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
         print(f"| {batch} | {batch / step:,.0f} | {step * 1e3:.2f} | {prefill * 1e3:.1f} |")

@@ -38,7 +38,9 @@ def expert_bytes(config: str, mesh_spec: str, rules: str, devices: int) -> tuple
 
     cfg = load_config(config)
     mesh = build_mesh(mesh_spec, devices=jax.devices()[:devices])
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules(rules), cfg.train.global_batch_size, cfg.train.seq_len)
+    plan = sharding_lib.plan(
+        cfg.model, mesh, load_rules(rules), cfg.train.global_batch_size, cfg.train.seq_len
+    )
     experts = [p for p in plan.params if p.logical[:2] == ("layers", "expert")]
     total = sum(math.prod(p.shape) * p.dtype.itemsize for p in experts)
     local = sum(math.prod(p.local_shape) * p.dtype.itemsize for p in experts)
@@ -63,19 +65,40 @@ def main() -> None:
     print("| case | tokens/s | active FLOPs/token | MFU | vs dense |\n|---|---:|---:|---:|---:|")
     dense = {}
     for label, config, devices, mesh, rules, sets in CASES:
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--worker", "--config", config,
-               "--devices", str(devices), "--mesh", mesh, "--rules", rules, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + [a for s in sets for a in ("--set", s)]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_train.py"),
+            "--worker",
+            "--config",
+            config,
+            "--devices",
+            str(devices),
+            "--mesh",
+            mesh,
+            "--rules",
+            rules,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ] + [a for s in sets for a in ("--set", s)]
         r = run_json(cmd)
         if config == "small":
             dense[devices] = r["tokens_per_sec"]
-        print(f"| {label} | {r['tokens_per_sec']:,.0f} | {r['flops_per_token'] / 1e6:.1f} M | "
-              f"{r['tokens_per_sec'] * r['flops_per_token'] / peak:.1%} | {r['tokens_per_sec'] / dense[devices]:.2f}x |",
-              flush=True)
+        print(
+            f"| {label} | {r['tokens_per_sec']:,.0f} | {r['flops_per_token'] / 1e6:.1f} M | "
+            f"{r['tokens_per_sec'] * r['flops_per_token'] / peak:.1%} | {r['tokens_per_sec'] / dense[devices]:.2f}x |",
+            flush=True,
+        )
 
-    print("\n| config | mesh | expert params, total | per device | per device / (total/8) |\n|---|---|---:|---:|---:|")
-    for config, mesh, rules, devices in (("small-moe", "expert=8", "ep", 8), ("mixtral-8x7b", "fsdp=8,expert=8", "fsdp_ep", 64),
-                                         ("mixtral-8x7b", "data=8,expert=8", "ep", 64)):
+    print(
+        "\n| config | mesh | expert params, total | per device | per device / (total/8) |\n|---|---|---:|---:|---:|"
+    )
+    for config, mesh, rules, devices in (
+        ("small-moe", "expert=8", "ep", 8),
+        ("mixtral-8x7b", "fsdp=8,expert=8", "fsdp_ep", 64),
+        ("mixtral-8x7b", "data=8,expert=8", "ep", 64),
+    ):
         total, local = expert_bytes(config, mesh, rules, devices)
         print(f"| {config} | {mesh} | {fmt_bytes(total)} | {fmt_bytes(local)} | {local / (total / 8):.3f} |")
 

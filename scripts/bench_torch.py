@@ -40,9 +40,17 @@ class Block(nn.Module):
         D, N, K, H, Fh = a.d_model, a.n_heads, a.n_kv_heads, a.head_dim, a.d_ff
         self.a = a
         self.attn_norm, self.mlp_norm = RMSNorm(D), RMSNorm(D)
-        self.wq, self.wk, self.wv = nn.Linear(D, N * H, bias=False), nn.Linear(D, K * H, bias=False), nn.Linear(D, K * H, bias=False)
+        self.wq, self.wk, self.wv = (
+            nn.Linear(D, N * H, bias=False),
+            nn.Linear(D, K * H, bias=False),
+            nn.Linear(D, K * H, bias=False),
+        )
         self.wo = nn.Linear(N * H, D, bias=False)
-        self.w_gate, self.w_up, self.w_down = nn.Linear(D, Fh, bias=False), nn.Linear(D, Fh, bias=False), nn.Linear(Fh, D, bias=False)
+        self.w_gate, self.w_up, self.w_down = (
+            nn.Linear(D, Fh, bias=False),
+            nn.Linear(D, Fh, bias=False),
+            nn.Linear(Fh, D, bias=False),
+        )
 
     def forward(self, x):
         a = self.a
@@ -75,13 +83,28 @@ class Decoder(nn.Module):
 
 def main():
     p = argparse.ArgumentParser()
-    for name, default in (("vocab-size", 256), ("d-model", 256), ("n-layers", 4), ("n-heads", 8),
-                          ("n-kv-heads", 4), ("head-dim", 32), ("d-ff", 768), ("batch", 16), ("seq-len", 128),
-                          ("steps", 20), ("warmup", 3), ("threads", 0)):
+    for name, default in (
+        ("vocab-size", 256),
+        ("d-model", 256),
+        ("n-layers", 4),
+        ("n-heads", 8),
+        ("n-kv-heads", 4),
+        ("head-dim", 32),
+        ("d-ff", 768),
+        ("batch", 16),
+        ("seq-len", 128),
+        ("steps", 20),
+        ("warmup", 3),
+        ("threads", 0),
+    ):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype; bfloat16 runs the forward under CPU autocast (params stay fp32)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute dtype; bfloat16 runs the forward under CPU autocast (params stay fp32)",
+    )
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -104,10 +127,22 @@ def main():
     step = statistics.median(times)
     n = sum(p.numel() for p in model.parameters())
     matmul_params = n - a.vocab_size * a.d_model  # the lookup table is no matmul; norms counted as in JAX
-    flops = 6 * matmul_params + 6 * a.n_layers * a.seq_len * a.n_heads * a.head_dim  # as models.llama.flops_per_token
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "step_time": step,
-                      "dtype": a.dtype, "flops_per_token": flops,
-                      "tokens_per_sec": a.batch * a.seq_len / step, "loss": loss.item()}))
+    flops = (
+        6 * matmul_params + 6 * a.n_layers * a.seq_len * a.n_heads * a.head_dim
+    )  # as models.llama.flops_per_token
+    print(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "step_time": step,
+                "dtype": a.dtype,
+                "flops_per_token": flops,
+                "tokens_per_sec": a.batch * a.seq_len / step,
+                "loss": loss.item(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

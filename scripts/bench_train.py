@@ -45,7 +45,9 @@ def worker(args) -> None:
 
     cfg = load_config(args.config, args.set)
     mesh = build_mesh(args.mesh)
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules(args.rules), cfg.train.global_batch_size, cfg.train.seq_len)
+    plan = sharding_lib.plan(
+        cfg.model, mesh, load_rules(args.rules), cfg.train.global_batch_size, cfg.train.seq_len
+    )
     trainer = build_trainer(cfg, plan)
     batches = make_batches(cfg, plan.batch_sharding)
     state = trainer.init_state()
@@ -60,9 +62,17 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t)
     step_time = statistics.median(times)
     tok_s = cfg.train.global_batch_size * cfg.train.seq_len / step_time
-    print(json.dumps({"tokens_per_sec": tok_s, "step_time": step_time, "dtype": cfg.model.dtype,
-                      "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
-                      "loss": float(metrics["loss"])}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_sec": tok_s,
+                "step_time": step_time,
+                "dtype": cfg.model.dtype,
+                "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
+                "loss": float(metrics["loss"]),
+            }
+        )
+    )
 
 
 def run_json(cmd) -> dict:
@@ -99,8 +109,23 @@ def main() -> None:
     peaks = {dt: measure_matmul_flops(dt, reps=21) for dt in ("float32", "bfloat16")}
     rows = []
     for label, devices, mesh, rules, sets in CASES:
-        cmd = [sys.executable, __file__, "--worker", "--config", args.config, "--devices", str(devices),
-               "--mesh", mesh, "--rules", rules, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--config",
+            args.config,
+            "--devices",
+            str(devices),
+            "--mesh",
+            mesh,
+            "--rules",
+            rules,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ]
         for s in sets:
             cmd += ["--set", s]
         r = run_json(cmd)
@@ -108,30 +133,64 @@ def main() -> None:
         print(f"  {label}: {r['tokens_per_sec']:,.0f} tok/s", file=sys.stderr, flush=True)
     torch_rows = []
     for torch_dtype in ("float32", "bfloat16") if os.path.exists(args.torch_python) else ():
-        torch_rows.append(run_json([args.torch_python, str(ROOT / "scripts" / "bench_torch.py"),
-                              "--vocab-size", str(m.vocab_size), "--d-model", str(m.d_model),
-                              "--n-layers", str(m.n_layers), "--n-heads", str(m.n_heads),
-                              "--n-kv-heads", str(m.n_kv_heads), "--head-dim", str(m.head_dim),
-                              "--d-ff", str(m.d_ff), "--batch", str(cfg.train.global_batch_size),
-                              "--seq-len", str(cfg.train.seq_len), "--steps", str(args.steps),
-                              "--warmup", str(args.warmup), "--rope-theta", str(m.rope_theta),
-                              "--dtype", torch_dtype]))
+        torch_rows.append(
+            run_json(
+                [
+                    args.torch_python,
+                    str(ROOT / "scripts" / "bench_torch.py"),
+                    "--vocab-size",
+                    str(m.vocab_size),
+                    "--d-model",
+                    str(m.d_model),
+                    "--n-layers",
+                    str(m.n_layers),
+                    "--n-heads",
+                    str(m.n_heads),
+                    "--n-kv-heads",
+                    str(m.n_kv_heads),
+                    "--head-dim",
+                    str(m.head_dim),
+                    "--d-ff",
+                    str(m.d_ff),
+                    "--batch",
+                    str(cfg.train.global_batch_size),
+                    "--seq-len",
+                    str(cfg.train.seq_len),
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--rope-theta",
+                    str(m.rope_theta),
+                    "--dtype",
+                    torch_dtype,
+                ]
+            )
+        )
     torch_row = torch_rows[0] if torch_rows else None
 
-    print(f"\n`{args.config}`: {count_params(m):,} params, batch {cfg.train.global_batch_size} x "
-          f"{cfg.train.seq_len} tokens, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
-          f"median of {args.steps} steps after {args.warmup} warm-up\n")
-    print(f"Measured matmul peak ({MATMUL_N}x{MATMUL_N}): float32 {peaks['float32'] / 1e9:,.1f} GFLOP/s, "
-          f"bfloat16 {peaks['bfloat16'] / 1e9:,.1f} GFLOP/s\n")
-    print("| run | compute | tokens/s | step (ms) | MFU vs fp32 peak | MFU vs bf16 peak | vs PyTorch eager fp32 | vs PyTorch eager, same dtype |")
+    print(
+        f"\n`{args.config}`: {count_params(m):,} params, batch {cfg.train.global_batch_size} x "
+        f"{cfg.train.seq_len} tokens, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
+        f"median of {args.steps} steps after {args.warmup} warm-up\n"
+    )
+    print(
+        f"Measured matmul peak ({MATMUL_N}x{MATMUL_N}): float32 {peaks['float32'] / 1e9:,.1f} GFLOP/s, "
+        f"bfloat16 {peaks['bfloat16'] / 1e9:,.1f} GFLOP/s\n"
+    )
+    print(
+        "| run | compute | tokens/s | step (ms) | MFU vs fp32 peak | MFU vs bf16 peak | vs PyTorch eager fp32 | vs PyTorch eager, same dtype |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for label, r in rows + [(f"PyTorch {t['torch']} eager, {t['threads']} threads", t) for t in torch_rows]:
         ratio = f"{r['tokens_per_sec'] / torch_row['tokens_per_sec']:.2f}x" if torch_row else "n/a"
         same_t = [t for t in torch_rows if t["dtype"] == r["dtype"]]
         same = f"{r['tokens_per_sec'] / same_t[0]['tokens_per_sec']:.2f}x" if same_t else "n/a"
         flops = r["tokens_per_sec"] * r["flops_per_token"]
-        print(f"| {label} | {r['dtype']} | {r['tokens_per_sec']:,.0f} | {r['step_time'] * 1e3:.1f} | "
-              f"{flops / peaks['float32']:.1%} | {flops / peaks['bfloat16']:.1%} | {ratio} | {same} |")
+        print(
+            f"| {label} | {r['dtype']} | {r['tokens_per_sec']:,.0f} | {r['step_time'] * 1e3:.1f} | "
+            f"{flops / peaks['float32']:.1%} | {flops / peaks['bfloat16']:.1%} | {ratio} | {same} |"
+        )
     if not torch_rows:
         print(f"\n(no PyTorch baseline: {args.torch_python} not found; see docs/performance.md)")
 

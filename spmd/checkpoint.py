@@ -33,7 +33,6 @@ META_VERSION = 1
 absl_logging.set_verbosity(absl_logging.ERROR)
 
 
-
 def _manager(directory: pathlib.Path, cfg: CheckpointConfig | None = None, read_only: bool = False):
     cfg = cfg or CheckpointConfig()
     options = ocp.CheckpointManagerOptions(
@@ -67,7 +66,9 @@ def locate(path: str) -> tuple[pathlib.Path, int]:
     if not p.exists():
         raise UserError(f"checkpoint path {str(p)!r} not found")
     if TMP_MARK in p.name:
-        raise UserError(f"checkpoint {str(p)!r} was never committed (its save did not finish); pick a committed step")
+        raise UserError(
+            f"checkpoint {str(p)!r} was never committed (its save did not finish); pick a committed step"
+        )
     if p.name.isdigit() and (p / "state").exists():
         return p.parent, int(p.name)
     directory = p / SUBDIR if (p / SUBDIR).is_dir() else p
@@ -116,7 +117,9 @@ def read_meta(directory: pathlib.Path, step: int) -> dict:
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # noqa: BLE001 — any failure to read is a broken checkpoint to the user
-        raise UserError(f"checkpoint {directory}/{step} has unreadable metadata ({_first_line(e)}); run spmd-ckpt verify") from None
+        raise UserError(
+            f"checkpoint {directory}/{step} has unreadable metadata ({_first_line(e)}); run spmd-ckpt verify"
+        ) from None
     manager.close()
     return meta
 
@@ -127,12 +130,15 @@ def saved_arrays(directory: pathlib.Path, step: int) -> dict[str, tuple[tuple[in
     try:
         tree = manager.item_metadata(step)["state"]
     except Exception as e:  # noqa: BLE001
-        raise UserError(f"checkpoint {directory}/{step} is incomplete or corrupt ({_first_line(e)}); run spmd-ckpt verify") from None
+        raise UserError(
+            f"checkpoint {directory}/{step} is incomplete or corrupt ({_first_line(e)}); run spmd-ckpt verify"
+        ) from None
     manager.close()
     if tree is None:
         raise UserError(f"checkpoint {directory}/{step} has no state; it is incomplete")
-    return {_key(path): (tuple(m.shape), str(m.dtype))
-            for path, m in jax.tree_util.tree_leaves_with_path(tree)}
+    return {
+        _key(path): (tuple(m.shape), str(m.dtype)) for path, m in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def _key(path) -> str:
@@ -152,15 +158,21 @@ def _key(path) -> str:
 def check_compatible(directory: pathlib.Path, step: int, abstract_state) -> None:
     """An error naming the first parameter whose saved shape differs from this config's."""
     saved = saved_arrays(directory, step)
-    wanted = {_key(path): (tuple(x.shape), str(x.dtype))
-              for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+    wanted = {
+        _key(path): (tuple(x.shape), str(x.dtype))
+        for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)
+    }
     for key, (shape, dtype) in wanted.items():
         if key not in saved:
-            raise UserError(f"checkpoint {directory}/{step} has no array {key} that this config needs; "
-                            f"was it written by a different model config?")
+            raise UserError(
+                f"checkpoint {directory}/{step} has no array {key} that this config needs; "
+                f"was it written by a different model config?"
+            )
         if saved[key][0] != shape:
-            raise UserError(f"checkpoint {directory}/{step}: {key} has shape {saved[key][0]} but this config "
-                            f"needs {shape}; use the config the checkpoint was written with")
+            raise UserError(
+                f"checkpoint {directory}/{step}: {key} has shape {saved[key][0]} but this config "
+                f"needs {shape}; use the config the checkpoint was written with"
+            )
     extra = sorted(set(saved) - set(wanted))
     if extra:
         raise UserError(f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have")
@@ -173,12 +185,16 @@ def restore(directory: pathlib.Path, step: int, target) -> tuple[dict, dict]:
     manager = _manager(directory, read_only=True)
     try:
         with stderr_parked():
-            out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                meta=ocp.args.JsonRestore()))
+            out = manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+            )
     except Exception as e:  # noqa: BLE001
         # Not closing the manager: its reader threads may still be failing; the CLI exits now.
-        raise UserError(f"checkpoint {directory}/{step} could not be read ({_first_line(e)}); "
-                        f"it is corrupt or incomplete: run spmd-ckpt verify, or pass an earlier step to --resume-from") from None
+        raise UserError(
+            f"checkpoint {directory}/{step} could not be read ({_first_line(e)}); "
+            f"it is corrupt or incomplete: run spmd-ckpt verify, or pass an earlier step to --resume-from"
+        ) from None
     manager.close()
     return out["state"], out["meta"]
 

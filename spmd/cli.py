@@ -33,28 +33,72 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default="small", help="config preset in configs/ (tiny, small, llama-1b, ...) or a .toml path [small]")
-    p.add_argument("--mesh", default="fsdp=-1", help="mesh shape, e.g. data=2,fsdp=2,tensor=2; must multiply to the device count [fsdp=-1]")
-    p.add_argument("--dcn-mesh", default="", help="mesh across processes (multi-host), e.g. data=2; then --mesh is per process")
-    p.add_argument("--rules", default="fsdp", help="sharding rules: a preset in sharding_rules/ (dp, fsdp, tp, fsdp_tp) or a .toml path [fsdp]")
+    p.add_argument(
+        "--config",
+        default="small",
+        help="config preset in configs/ (tiny, small, llama-1b, ...) or a .toml path [small]",
+    )
+    p.add_argument(
+        "--mesh",
+        default="fsdp=-1",
+        help="mesh shape, e.g. data=2,fsdp=2,tensor=2; must multiply to the device count [fsdp=-1]",
+    )
+    p.add_argument(
+        "--dcn-mesh",
+        default="",
+        help="mesh across processes (multi-host), e.g. data=2; then --mesh is per process",
+    )
+    p.add_argument(
+        "--rules",
+        default="fsdp",
+        help="sharding rules: a preset in sharding_rules/ (dp, fsdp, tp, fsdp_tp) or a .toml path [fsdp]",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
-    p.add_argument("--run-dir", help="where metrics.jsonl, config.json, tensorboard/ and loss.png go [runs/<config>]")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. --set train.learning_rate=1e-3 (repeatable)")
-    p.add_argument("--host-devices", type=int, default=_env_host_devices(),
-                   help="simulate N CPU devices per process (uses the CPU backend) [$SPMD_HOST_DEVICES]")
+    p.add_argument(
+        "--run-dir", help="where metrics.jsonl, config.json, tensorboard/ and loss.png go [runs/<config>]"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.learning_rate=1e-3 (repeatable)",
+    )
+    p.add_argument(
+        "--host-devices",
+        type=int,
+        default=_env_host_devices(),
+        help="simulate N CPU devices per process (uses the CPU backend) [$SPMD_HOST_DEVICES]",
+    )
     p.add_argument("--seed", type=int, help="seed for init and data order (overrides train.seed)")
     p.add_argument("--log-every", type=int, help="log metrics every N steps (overrides train.log_every)")
-    p.add_argument("--eval-every", type=int, help="held-out eval every N steps, 0 = never (overrides train.eval_every)")
-    p.add_argument("--print-sharding", action="store_true", help="print every parameter's sharding and per-device bytes, then exit (allocates nothing)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory (its checkpoints too)")
-    p.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps (overrides checkpoint.every; "
-                   "one is always saved at the end and on SIGTERM/SIGINT)")
+    p.add_argument(
+        "--eval-every", type=int, help="held-out eval every N steps, 0 = never (overrides train.eval_every)"
+    )
+    p.add_argument(
+        "--print-sharding",
+        action="store_true",
+        help="print every parameter's sharding and per-device bytes, then exit (allocates nothing)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing run directory (its checkpoints too)"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="save a checkpoint every N steps (overrides checkpoint.every; "
+        "one is always saved at the end and on SIGTERM/SIGINT)",
+    )
     from spmd.distributed import add_flags
 
     add_flags(p)
-    p.add_argument("--resume-from", metavar="PATH", help="start from another run's checkpoint: a run dir (its latest "
-                   "committed step) or one step, e.g. runs/a/checkpoints/200. Without it, a run dir that holds "
-                   "checkpoints resumes from its latest committed one")
+    p.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        help="start from another run's checkpoint: a run dir (its latest "
+        "committed step) or one step, e.g. runs/a/checkpoints/200. Without it, a run dir that holds "
+        "checkpoints resumes from its latest committed one",
+    )
     return p
 
 
@@ -120,8 +164,13 @@ def run(args) -> int:
     from spmd.train import build_trainer
 
     overrides = list(args.set)
-    for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("log_every", "train.log_every"),
-                      ("eval_every", "train.eval_every"), ("checkpoint_every", "checkpoint.every")):
+    for flag, key in (
+        ("steps", "train.steps"),
+        ("seed", "train.seed"),
+        ("log_every", "train.log_every"),
+        ("eval_every", "train.eval_every"),
+        ("checkpoint_every", "checkpoint.every"),
+    ):
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     cfg = load_config(args.config, overrides)
@@ -133,8 +182,9 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     mesh = build_mesh(args.mesh, args.dcn_mesh)
     rules = load_rules(args.rules).with_attention(cfg.attention)
-    plan = sharding_lib.plan(cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len,
-                             cfg.train.microbatches)
+    plan = sharding_lib.plan(
+        cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.microbatches
+    )
     trainer = build_trainer(cfg, plan)
     is_main = jax.process_index() == 0
 
@@ -149,8 +199,10 @@ def run(args) -> int:
     # Every process checks (the run dir is on a shared filesystem), so all fail alike; one writes.
     has_files = run_dir.exists() and any(run_dir.iterdir())
     if has_files and not args.overwrite and not (run_dir / SUBDIR).is_dir():
-        raise UserError(f"run directory {str(run_dir)!r} already holds files but no checkpoints; "
-                        f"pass a new --run-dir or --overwrite")
+        raise UserError(
+            f"run directory {str(run_dir)!r} already holds files but no checkpoints; "
+            f"pass a new --run-dir or --overwrite"
+        )
     if is_main:
         if has_files and args.overwrite:
             shutil.rmtree(run_dir)
@@ -171,27 +223,39 @@ def run(args) -> int:
         "config": cfg.to_json(),
         "mesh": {"spec": args.mesh, "dcn_spec": args.dcn_mesh, "shape": dict(mesh.shape)},
         "rules": rules.to_json(),
-        "devices": {"count": jax.device_count(), "processes": jax.process_count(),
-                    "platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind},
+        "devices": {
+            "count": jax.device_count(),
+            "processes": jax.process_count(),
+            "platform": jax.devices()[0].platform,
+            "kind": jax.devices()[0].device_kind,
+        },
         "model": {"params": count_params(cfg.model), "flops_per_token": fpt},
         "peak_flops": {"value": peak, "source": peak_how},
         "data": batches.description,
     }
     if is_main:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
-        _log(f"config {cfg.name}: {count_params(cfg.model):,} params, {cfg.model.n_layers} layers, "
-             f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
+        _log(
+            f"config {cfg.name}: {count_params(cfg.model):,} params, {cfg.model.n_layers} layers, "
+            f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}"
+        )
         _log(f"attention: {attention_desc}")
-        _log(f"mesh: {format_mesh(dict(mesh.shape))} over {jax.device_count()} {jax.devices()[0].platform} devices "
-             f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}); rules: {rules.name}")
-        _log(f"per device: params {sharding_lib.fmt_bytes(plan.param_bytes_per_device)}, optimizer state "
-             f"{sharding_lib.fmt_bytes(sharding_lib.tree_bytes_per_device(trainer.abstract_state['opt_state']))}")
+        _log(
+            f"mesh: {format_mesh(dict(mesh.shape))} over {jax.device_count()} {jax.devices()[0].platform} devices "
+            f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}); rules: {rules.name}"
+        )
+        _log(
+            f"per device: params {sharding_lib.fmt_bytes(plan.param_bytes_per_device)}, optimizer state "
+            f"{sharding_lib.fmt_bytes(sharding_lib.tree_bytes_per_device(trainer.abstract_state['opt_state']))}"
+        )
         if plan.replication_warning():
             _log(plan.replication_warning())
         for w in warnings:
             _log(w)
         _log(f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens")
-        _log(f"batch: {B} sequences x {T} tokens = {B * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)")
+        _log(
+            f"batch: {B} sequences x {T} tokens = {B * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)"
+        )
         _log(f"peak for MFU: {peak / 1e9:,.1f} GFLOP/s ({peak_how})")
 
     if start_step >= cfg.train.steps:
@@ -204,27 +268,51 @@ def run(args) -> int:
         _log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
 
     def meta(step: int) -> dict:
-        return {"version": META_VERSION, "step": step, "consumed_samples": batches.consumed_samples(step),
-                "global_batch_size": B, "seq_len": T, "seed": cfg.train.seed, "run": resolved}
+        return {
+            "version": META_VERSION,
+            "step": step,
+            "consumed_samples": batches.consumed_samples(step),
+            "global_batch_size": B,
+            "seq_len": T,
+            "seed": cfg.train.seed,
+            "run": resolved,
+        }
 
     checkpointer = Checkpointer(run_dir, cfg.checkpoint)
     preemption = Preemption()
     preemption.install()
     try:
-        history = train_loop(cfg, trainer, step_fn, state, batches, run_dir if is_main else None, fpt, peak,
-                             start_step, checkpointer, meta, preemption)
+        history = train_loop(
+            cfg,
+            trainer,
+            step_fn,
+            state,
+            batches,
+            run_dir if is_main else None,
+            fpt,
+            peak,
+            start_step,
+            checkpointer,
+            meta,
+            preemption,
+        )
     finally:
         checkpointer.close()
     if preemption.signal is not None:
         if is_main:
-            _log(f"stopped by signal {preemption.signal}: checkpoint for step {checkpointer.last_saved} committed "
-                 f"in {checkpointer.directory}")
+            _log(
+                f"stopped by signal {preemption.signal}: checkpoint for step {checkpointer.last_saved} committed "
+                f"in {checkpointer.directory}"
+            )
         return 0
     if is_main and history:
         last = history[-1]
         evals = [r["eval_loss"] for r in history if "eval_loss" in r]
-        _log(f"done: step {last['step']}, loss {last['loss']:.4f}"
-             + (f", eval loss {evals[-1]:.4f}" if evals else "") + f"; run dir {run_dir}")
+        _log(
+            f"done: step {last['step']}, loss {last['loss']:.4f}"
+            + (f", eval loss {evals[-1]:.4f}" if evals else "")
+            + f"; run dir {run_dir}"
+        )
     return 0
 
 
@@ -263,7 +351,9 @@ class Preemption:
         if self.signal is not None:
             os._exit(128 + signum)
         self.signal = signum
-        _log(f"signal {signum}: finishing this step, then saving a checkpoint (send it again to abort at once)")
+        _log(
+            f"signal {signum}: finishing this step, then saving a checkpoint (send it again to abort at once)"
+        )
 
 
 def _initial_state(args, cfg, trainer, batches, run_dir):
@@ -282,8 +372,10 @@ def _initial_state(args, cfg, trainer, batches, run_dir):
         if steps:
             source = (own, steps[-1])
         elif ckpt.uncommitted(own):
-            warnings.append(f"warning: {own} holds only uncommitted checkpoints ({', '.join(ckpt.uncommitted(own))}) "
-                            f"from an interrupted save; starting fresh and removing them")
+            warnings.append(
+                f"warning: {own} holds only uncommitted checkpoints ({', '.join(ckpt.uncommitted(own))}) "
+                f"from an interrupted save; starting fresh and removing them"
+            )
     if source is None:
         return trainer.init_state(), 0, warnings
     directory, step = source
@@ -299,8 +391,10 @@ def _initial_state(args, cfg, trainer, batches, run_dir):
         )
     for key, now in (("seq_len", cfg.train.seq_len), ("seed", cfg.train.seed)):
         if int(meta.get(key, now)) != now:
-            warnings.append(f"warning: train.{key} was {meta[key]} when the checkpoint was written and is {now} now; "
-                            f"the data order after the restore differs from the original run's")
+            warnings.append(
+                f"warning: train.{key} was {meta[key]} when the checkpoint was written and is {now} now; "
+                f"the data order after the restore differs from the original run's"
+            )
     return state, step, warnings
 
 
@@ -314,8 +408,20 @@ def _trim_metrics(path: pathlib.Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, peak, start_step=0,
-               checkpointer=None, meta=None, preemption=None):
+def train_loop(
+    cfg,
+    trainer,
+    step_fn,
+    state,
+    batches,
+    run_dir,
+    flops_per_tok,
+    peak,
+    start_step=0,
+    checkpointer=None,
+    meta=None,
+    preemption=None,
+):
     """Run steps start_step..cfg.train.steps; log, evaluate, write metrics (process 0) and checkpoints."""
     import jax
     from rich.console import Console
@@ -328,9 +434,12 @@ def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, pe
     tokens_per_step = tcfg.global_batch_size * tcfg.seq_len
     writer = MetricsWriter(run_dir) if run_dir is not None else None
     progress = Progress(
-        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
         TextColumn("loss {task.fields[loss]}  {task.fields[tok_s]} tok/s  MFU {task.fields[mfu]}  ETA"),
-        TimeRemainingColumn(), console=Console(stderr=True), disable=run_dir is None,
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=run_dir is None,
     )
     task = progress.add_task("train", total=tcfg.steps, completed=start_step, loss="-", tok_s="-", mfu="-")
     every = cfg.checkpoint.every
@@ -347,24 +456,34 @@ def train_loop(cfg, trainer, step_fn, state, batches, run_dir, flops_per_tok, pe
                 now = time.perf_counter()
                 tok_s = steps_since * tokens_per_step / (now - t_last)
                 record = {
-                    "step": done, "loss": float(m["loss"]), "tokens_per_sec": tok_s,
-                    "mfu": tok_s * flops_per_tok / peak, "learning_rate": float(m["learning_rate"]),
-                    "grad_norm": float(m["grad_norm"]), "step_time": (now - t_last) / steps_since,
+                    "step": done,
+                    "loss": float(m["loss"]),
+                    "tokens_per_sec": tok_s,
+                    "mfu": tok_s * flops_per_tok / peak,
+                    "learning_rate": float(m["learning_rate"]),
+                    "grad_norm": float(m["grad_norm"]),
+                    "step_time": (now - t_last) / steps_since,
                 }
                 if tcfg.z_loss:
                     record["z_loss"] = float(m["z_loss"])
                 record.update({key: float(v) for key, v in m.items() if key.startswith("moe_")})
                 if is_eval:
                     record["eval_loss"] = evaluate(trainer, state["params"], batches)
-                progress.update(task, completed=done, loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                                mfu=f"{record['mfu']:.1%}")
+                progress.update(
+                    task,
+                    completed=done,
+                    loss=f"{record['loss']:.3f}",
+                    tok_s=f"{tok_s:,.0f}",
+                    mfu=f"{record['mfu']:.1%}",
+                )
                 if writer:
                     writer.write(record)
                     progress.console.print(
                         f"step {done:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.2e}  "
                         f"grad_norm {record['grad_norm']:.3f}  {tok_s:,.0f} tok/s  MFU {record['mfu']:.1%}"
                         + (f"  eval_loss {record['eval_loss']:.4f}" if is_eval else ""),
-                        highlight=False, soft_wrap=True,
+                        highlight=False,
+                        soft_wrap=True,
                     )
                 # Eval and checkpoint time is not training time.
                 t_last, steps_since = time.perf_counter(), 0

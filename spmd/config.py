@@ -105,10 +105,14 @@ class AttentionConfig:
     def check(self) -> list[str]:
         problems = []
         if self.context_parallel not in ("", *CONTEXT_PARALLEL):
-            problems.append(f"attention.context_parallel must be one of {', '.join(CONTEXT_PARALLEL)}, "
-                            f"got {self.context_parallel!r}")
+            problems.append(
+                f"attention.context_parallel must be one of {', '.join(CONTEXT_PARALLEL)}, "
+                f"got {self.context_parallel!r}"
+            )
         if self.load_balance not in ("", *LOAD_BALANCE):
-            problems.append(f"attention.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {self.load_balance!r}")
+            problems.append(
+                f"attention.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {self.load_balance!r}"
+            )
         return problems
 
 
@@ -125,8 +129,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "attention": AttentionConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "attention": AttentionConfig,
+}
 
 
 def presets() -> list[str]:
@@ -168,7 +177,9 @@ def _set(tree: dict, key: str, value, source: str) -> None:
         raise UserError(f"unknown config key {key!r} in {source}{closest(key, every)}")
     types = _field_types(SECTIONS[section])
     if leaf not in types:
-        raise UserError(f"unknown config key {key!r} in {source}{closest(key, [f'{section}.{k}' for k in types])}")
+        raise UserError(
+            f"unknown config key {key!r} in {source}{closest(key, [f'{section}.{k}' for k in types])}"
+        )
     tree.setdefault(section, {})[leaf] = _coerce(key, value, types[leaf], source)
 
 
@@ -199,8 +210,10 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     tree: dict[str, dict] = {}
     for section, table in doc.items():
         if section not in SECTIONS or not isinstance(table, dict):
-            raise UserError(f"unknown section {section!r} in config {str(path)!r}{closest(section, SECTIONS)}; "
-                            f"sections are {', '.join(f'[{s}]' for s in SECTIONS)}")
+            raise UserError(
+                f"unknown section {section!r} in config {str(path)!r}{closest(section, SECTIONS)}; "
+                f"sections are {', '.join(f'[{s}]' for s in SECTIONS)}"
+            )
         for leaf, value in table.items():
             _set(tree, f"{section}.{leaf}", value, str(path))
     for item in overrides:

@@ -21,7 +21,8 @@ import numpy as np
 
 from kernels import ring_attention as ring
 from kernels.chunked_attention import _traced_zero
-from spmd.logical import active as active_sharding, split_axes
+from spmd.logical import active as active_sharding
+from spmd.logical import split_axes
 
 MODES = ("ring", "ulysses", "allgather")
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")
@@ -70,8 +71,10 @@ def check(rules, mesh, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]
     lay = layout(rules)
     pieces = n * (2 if lay == "zigzag" else 1)
     if seq_len % pieces:
-        problems.append(f"train.seq_len ({seq_len}) must divide by {pieces} for {rules.context_parallel} context "
-                        f"parallelism over {where} with load_balance={lay}")
+        problems.append(
+            f"train.seq_len ({seq_len}) must divide by {pieces} for {rules.context_parallel} context "
+            f"parallelism over {where} with load_balance={lay}"
+        )
     if rules.context_parallel == "ulysses":
         head_split = n * int(np.prod([sizes[a] for a in rules.mapping.get("act_heads", ())]))
         kv_split = n * int(np.prod([sizes[a] for a in rules.mapping.get("act_kv_heads", ())]))
@@ -79,12 +82,14 @@ def check(rules, mesh, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]
             problems.append(
                 f"ulysses context parallelism over {where} splits the heads {head_split} ways and the kv heads "
                 f"{kv_split} ways, but the model has n_heads={n_heads}, n_kv_heads={n_kv_heads}; "
-                f"use context_parallel=ring or a smaller context axis")
+                f"use context_parallel=ring or a smaller context axis"
+            )
     return problems
 
 
-def context_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None, *, causal=True, local_impl=None,
-                      kernel=False):
+def context_attention(
+    q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None, *, causal=True, local_impl=None, kernel=False
+):
     """Attention with the sequence sharded over the active rules' `seq` axes (see module doc).
 
     `local_impl(q, k, v, causal=)` is the single-device attention Ulysses runs on whole sequences
@@ -98,24 +103,46 @@ def context_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None,
     has_seg = segment_ids_BT is not None
     positions_BT = positions_BT + _traced_zero(q_BTNH)  # keeps masks out of the layer scan's residuals
     args = (q_BTNH, k_BSKH, v_BSKH, positions_BT) + ((segment_ids_BT,) if has_seg else ())
-    in_specs = (spec(Q_AXES), spec(KV_AXES), spec(KV_AXES), spec(TOKEN_AXES)) + ((spec(TOKEN_AXES),) if has_seg else ())
+    in_specs = (spec(Q_AXES), spec(KV_AXES), spec(KV_AXES), spec(TOKEN_AXES)) + (
+        (spec(TOKEN_AXES),) if has_seg else ()
+    )
 
     if mode == "ring":
         blocks = ring.ring_flash_attention if kernel and layout(rules) != "striped" else ring.ring_attention
 
         def local(q, k, v, pos, seg=None):
-            return blocks(q, k, v, pos, seg, axis_name=axis_name, axis_size=n, causal=causal,
-                          sub_chunks=ring.sub_chunks(layout(rules)))
+            return blocks(
+                q,
+                k,
+                v,
+                pos,
+                seg,
+                axis_name=axis_name,
+                axis_size=n,
+                causal=causal,
+                sub_chunks=ring.sub_chunks(layout(rules)),
+            )
     elif mode == "allgather":
+
         def local(q, k, v, pos, seg=None):
             gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, axis=1, tiled=True)
-            return ring.masked_attention(q, gather(k), gather(v), pos, gather(pos), seg,
-                                         None if seg is None else gather(seg), causal=causal)
+            return ring.masked_attention(
+                q,
+                gather(k),
+                gather(v),
+                pos,
+                gather(pos),
+                seg,
+                None if seg is None else gather(seg),
+                causal=causal,
+            )
     elif mode == "ulysses":
+
         def local(q, k, v, pos, seg=None):
             # Sequence-sharded -> head-sharded: split heads n ways, gather the sequence.
-            to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=2, concat_axis=1,
-                                         tiled=True)
+            to_heads = functools.partial(
+                jax.lax.all_to_all, axis_name=axis_name, split_axis=2, concat_axis=1, tiled=True
+            )
             q, k, v = to_heads(q), to_heads(k), to_heads(v)
             if seg is None and local_impl is not None:
                 out = local_impl(q, k, v, causal=causal)

@@ -54,7 +54,9 @@ def stdlib_corpus(val_fraction: float) -> tuple[pathlib.Path, pathlib.Path]:
     if train_path.exists() and val_path.exists():
         return train_path, val_path
     if not files:
-        raise UserError(f"no Python source files under {root} to build the default corpus; pass --set data.path=FILE")
+        raise UserError(
+            f"no Python source files under {root} to build the default corpus; pass --set data.path=FILE"
+        )
     parts = {"train": [], "val": []}
     for f in files:
         rel = f.relative_to(root).as_posix()
@@ -80,7 +82,9 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
     else:
         path = pathlib.Path(data_cfg.path).expanduser()
         if not path.exists():
-            raise UserError(f"data file {str(path)!r} not found; fix data.path, or leave it empty for the embedded corpus")
+            raise UserError(
+                f"data file {str(path)!r} not found; fix data.path, or leave it empty for the embedded corpus"
+            )
         fmt = data_cfg.format
         if fmt == "auto":
             fmt = {".npy": "npy", ".bin": "bin"}.get(path.suffix, "text")
@@ -90,21 +94,33 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
             except ValueError as e:
                 raise UserError(f"data file {str(path)!r} is not a readable .npy array: {e}") from None
             if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
-                raise UserError(f"data file {str(path)!r} must hold a 1-D integer array of token ids, got {tokens.dtype}{list(tokens.shape)}")
+                raise UserError(
+                    f"data file {str(path)!r} must hold a 1-D integer array of token ids, got {tokens.dtype}{list(tokens.shape)}"
+                )
         elif fmt == "bin":
             if path.stat().st_size % np.dtype(data_cfg.bin_dtype).itemsize:
-                raise UserError(f"data file {str(path)!r} size is not a multiple of {data_cfg.bin_dtype}; set data.bin_dtype")
-            tokens = np.memmap(path, dtype=data_cfg.bin_dtype, mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
+                raise UserError(
+                    f"data file {str(path)!r} size is not a multiple of {data_cfg.bin_dtype}; set data.bin_dtype"
+                )
+            tokens = (
+                np.memmap(path, dtype=data_cfg.bin_dtype, mode="r")
+                if path.stat().st_size
+                else np.zeros(0, np.uint16)
+            )
         else:
             tokens = _read_text(path)
         if tokens.size == 0:
-            raise UserError(f"data {str(path)!r} is empty; point data.path at a file or directory with content")
+            raise UserError(
+                f"data {str(path)!r} is empty; point data.path at a file or directory with content"
+            )
         n_val = max(1, int(len(tokens) * data_cfg.val_fraction))
         train, val = tokens[:-n_val], tokens[-n_val:]
         desc = f"{str(path)} ({fmt}, {len(tokens):,} tokens)"
     biggest = int(max(train.max(initial=0), val.max(initial=0)))
     if biggest >= vocab_size:
-        raise UserError(f"data holds token id {biggest} but model.vocab_size is {vocab_size}; raise model.vocab_size")
+        raise UserError(
+            f"data holds token id {biggest} but model.vocab_size is {vocab_size}; raise model.vocab_size"
+        )
     return train, val, desc
 
 
@@ -153,7 +169,9 @@ class Batches:
         """Rows of the global batch held by this process's devices (a contiguous range)."""
         index_map = self.sharding.addressable_devices_indices_map((self.global_batch_size, self.seq_len))
         starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [idx[0].stop if idx[0].stop is not None else self.global_batch_size for idx in index_map.values()]
+        stops = [
+            idx[0].stop if idx[0].stop is not None else self.global_batch_size for idx in index_map.values()
+        ]
         return range(min(starts), max(stops))
 
     def _assemble(self, dataset, first: int) -> dict[str, jax.Array]:

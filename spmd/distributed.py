@@ -10,7 +10,11 @@ import os
 
 from spmd.errors import UserError
 
-ENV = {"coordinator": "SPMD_COORDINATOR", "num_processes": "SPMD_NUM_PROCESSES", "process_id": "SPMD_PROCESS_ID"}
+ENV = {
+    "coordinator": "SPMD_COORDINATOR",
+    "num_processes": "SPMD_NUM_PROCESSES",
+    "process_id": "SPMD_PROCESS_ID",
+}
 
 
 def add_flags(p) -> None:
@@ -18,10 +22,18 @@ def add_flags(p) -> None:
     g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service [$SPMD_COORDINATOR]")
     g.add_argument("--num-processes", type=int, help="processes in the job [$SPMD_NUM_PROCESSES]")
     g.add_argument("--process-id", type=int, help="this process's index, 0..N-1 [$SPMD_PROCESS_ID]")
-    g.add_argument("--init-timeout", type=int, default=60,
-                   help="seconds to wait for every process to join before failing [60]")
-    g.add_argument("--heartbeat-timeout", type=int, default=30,
-                   help="seconds without a heartbeat after which a vanished process fails the job [30]")
+    g.add_argument(
+        "--init-timeout",
+        type=int,
+        default=60,
+        help="seconds to wait for every process to join before failing [60]",
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=30,
+        help="seconds without a heartbeat after which a vanished process fails the job [30]",
+    )
 
 
 def _cluster_detected() -> bool:
@@ -37,13 +49,20 @@ def initialize(args) -> None:
     coordinator = args.coordinator or os.environ.get(ENV["coordinator"])
     n = args.num_processes if args.num_processes is not None else _env_int("num_processes")
     i = args.process_id if args.process_id is not None else _env_int("process_id")
-    timeouts = {"initialization_timeout": args.init_timeout, "heartbeat_timeout_seconds": args.heartbeat_timeout}
+    timeouts = {
+        "initialization_timeout": args.init_timeout,
+        "heartbeat_timeout_seconds": args.heartbeat_timeout,
+    }
     if coordinator is None and n is None and i is None:
         if _cluster_detected():
-            _join(lambda: jax.distributed.initialize(**timeouts), "the cluster JAX detected", args.init_timeout)
+            _join(
+                lambda: jax.distributed.initialize(**timeouts), "the cluster JAX detected", args.init_timeout
+            )
         return
     if coordinator is None or n is None or i is None:
-        raise UserError("a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and --process-id I")
+        raise UserError(
+            "a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and --process-id I"
+        )
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
@@ -55,9 +74,13 @@ def initialize(args) -> None:
         raise UserError("--init-timeout and --heartbeat-timeout must be at least 1 second")
     if i != 0:
         _wait_for_coordinator(host, int(port), args.init_timeout)
-    _join(lambda: jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i,
-                                             **timeouts),
-          f"coordinator {coordinator} as process {i} of {n}", args.init_timeout)
+    _join(
+        lambda: jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=n, process_id=i, **timeouts
+        ),
+        f"coordinator {coordinator} as process {i} of {n}",
+        args.init_timeout,
+    )
 
 
 def _wait_for_coordinator(host: str, port: int, timeout: int) -> None:
@@ -73,8 +96,10 @@ def _wait_for_coordinator(host: str, port: int, timeout: int) -> None:
             return
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise UserError(f"could not join the job: coordinator {host}:{port} did not accept a connection "
-                                f"within {timeout}s ({e.strerror or e}); start process 0 there, or fix --coordinator") from None
+                raise UserError(
+                    f"could not join the job: coordinator {host}:{port} did not accept a connection "
+                    f"within {timeout}s ({e.strerror or e}); start process 0 there, or fix --coordinator"
+                ) from None
             time.sleep(0.5)
 
 
@@ -93,5 +118,7 @@ def _join(init, what: str, timeout: int) -> None:
         init()
     except Exception as e:  # noqa: BLE001 — the runtime raises several kinds; all mean "could not join"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"could not join the job through {what} within {timeout}s ({first}); "
-                        f"check that every process was started and the address is reachable") from None
+        raise UserError(
+            f"could not join the job through {what} within {timeout}s ({first}); "
+            f"check that every process was started and the address is reachable"
+        ) from None

@@ -22,13 +22,21 @@ from spmd.cli import _env_host_devices, _exit_now, _Parser, _set_host_devices
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="spmd-dryrun", description="Per-device memory, FLOPs and collectives of a train step, "
-                "compiled for a mesh without allocating anything.")
+    p = _Parser(
+        prog="spmd-dryrun",
+        description="Per-device memory, FLOPs and collectives of a train step, "
+        "compiled for a mesh without allocating anything.",
+    )
     p.add_argument("--config", default="small")
     p.add_argument("--mesh", default="fsdp=-1")
     p.add_argument("--rules", default="fsdp")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--host-devices", type=int, default=_env_host_devices(), help="fake CPU devices standing in for the topology")
+    p.add_argument(
+        "--host-devices",
+        type=int,
+        default=_env_host_devices(),
+        help="fake CPU devices standing in for the topology",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="also list every collective instruction")
     return p
@@ -58,7 +66,9 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
     expert_axes = plan.rules.mapping.get("expert", ())
-    seq_axes = tuple(a for a in plan.rules.mapping.get("seq", ()) if a not in batch_axes and sizes.get(a, 1) > 1)
+    seq_axes = tuple(
+        a for a in plan.rules.mapping.get("seq", ()) if a not in batch_axes and sizes.get(a, 1) > 1
+    )
     grad_axes = batch_axes + seq_axes
     m = cfg.model
     out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0}
@@ -126,8 +136,9 @@ def run(args) -> dict:
     cfg = load_config(args.config, args.set)
     mesh = build_mesh(args.mesh)
     rules = load_rules(args.rules).with_attention(cfg.attention)
-    plan = sharding_lib.plan(cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len,
-                             cfg.train.microbatches)
+    plan = sharding_lib.plan(
+        cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.microbatches
+    )
     trainer = build_trainer(cfg, plan)
     B, T = cfg.train.global_batch_size, cfg.train.seq_len
     state = trainer.abstract_state
@@ -141,25 +152,55 @@ def run(args) -> dict:
     rows = []
     for (kind, axes), v in sorted(hlo.summarize(items).items()):
         group = math.prod(sizes[a] for a in axes)
-        volume = sum(ring_volume(c.kind, c.bytes, group) * c.count for c in items if (c.kind, c.axes) == (kind, axes))
-        rows.append({"kind": kind, "axes": list(axes), "count": v["count"], "result_bytes": v["bytes"], "volume_bytes": volume})
+        volume = sum(
+            ring_volume(c.kind, c.bytes, group) * c.count for c in items if (c.kind, c.axes) == (kind, axes)
+        )
+        rows.append(
+            {
+                "kind": kind,
+                "axes": list(axes),
+                "count": v["count"],
+                "result_bytes": v["bytes"],
+                "volume_bytes": volume,
+            }
+        )
     minimum = analytic_minimum(cfg, plan)
     opt_bytes = sharding_lib.tree_bytes_per_device(trainer.abstract_state["opt_state"])
     flops = flops_per_token(cfg.model, T) * B * T
     return {
-        "config": cfg.name, "mesh": {a: s for a, s in sizes.items()}, "rules": rules.name, "devices": mesh.size,
+        "config": cfg.name,
+        "mesh": {a: s for a, s in sizes.items()},
+        "rules": rules.name,
+        "devices": mesh.size,
         "compile_seconds": compile_s,
         "per_device_bytes": {
-            "params": plan.param_bytes_per_device, "optimizer_state": opt_bytes, "gradients": plan.param_bytes_per_device,
-            "arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
-            "temporaries": mem.temp_size_in_bytes, "peak": mem.peak_memory_in_bytes,
+            "params": plan.param_bytes_per_device,
+            "optimizer_state": opt_bytes,
+            "gradients": plan.param_bytes_per_device,
+            "arguments": mem.argument_size_in_bytes,
+            "outputs": mem.output_size_in_bytes,
+            "temporaries": mem.temp_size_in_bytes,
+            "peak": mem.peak_memory_in_bytes,
         },
-        "model_flops_per_step": flops, "model_flops_per_device": flops / mesh.size,
+        "model_flops_per_step": flops,
+        "model_flops_per_device": flops / mesh.size,
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),
-        "analytic_minimum_bytes": minimum, "analytic_minimum_total": sum(minimum.values()),
-        "instructions": [{"name": c.name, "kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "count": c.count,
-                          "computation": c.computation} for c in items] if args.list else None,
+        "analytic_minimum_bytes": minimum,
+        "analytic_minimum_total": sum(minimum.values()),
+        "instructions": [
+            {
+                "name": c.name,
+                "kind": c.kind,
+                "axes": list(c.axes),
+                "bytes": c.bytes,
+                "count": c.count,
+                "computation": c.computation,
+            }
+            for c in items
+        ]
+        if args.list
+        else None,
     }
 
 
@@ -167,24 +208,34 @@ def print_report(r: dict) -> None:
     from spmd.sharding import fmt_bytes
 
     mesh = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "single device"
-    print(f"{r['config']} on {mesh} ({r['devices']} devices), rules {r['rules']}: compiled in {r['compile_seconds']:.1f}s\n")
+    print(
+        f"{r['config']} on {mesh} ({r['devices']} devices), rules {r['rules']}: compiled in {r['compile_seconds']:.1f}s\n"
+    )
     print("per device:")
     for k, v in r["per_device_bytes"].items():
         print(f"  {k:<16} {fmt_bytes(v):>12}")
-    print(f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
-          f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n")
+    print(
+        f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
+        f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
+    )
     print("collectives per step (XLA CPU backend), per device:")
     print(f"  {'kind':<20} {'mesh axes':<18} {'count':>7} {'result bytes':>14} {'sent (ring)':>14}")
     for row in r["collectives"]:
-        print(f"  {row['kind']:<20} {','.join(row['axes']) or '-':<18} {row['count']:>7} "
-              f"{fmt_bytes(row['result_bytes']):>14} {fmt_bytes(row['volume_bytes']):>14}")
+        print(
+            f"  {row['kind']:<20} {','.join(row['axes']) or '-':<18} {row['count']:>7} "
+            f"{fmt_bytes(row['result_bytes']):>14} {fmt_bytes(row['volume_bytes']):>14}"
+        )
     total, minimum = r["collective_volume_bytes"], r["analytic_minimum_total"]
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["analytic_minimum_bytes"].items() if v)
     ratio = f"{total / minimum:.2f}x" if minimum else "n/a"
-    print(f"\n  sent in all {fmt_bytes(total)}; analytic minimum {fmt_bytes(minimum)} ({parts or 'none'}); ratio {ratio}")
+    print(
+        f"\n  sent in all {fmt_bytes(total)}; analytic minimum {fmt_bytes(minimum)} ({parts or 'none'}); ratio {ratio}"
+    )
     for row in r["instructions"] or []:
-        print(f"  {row['name']:<28} {row['kind']:<20} {','.join(row['axes']) or '-':<14} x{row['count']:<5} "
-              f"{fmt_bytes(row['bytes']):>12}  in {row['computation']}")
+        print(
+            f"  {row['name']:<28} {row['kind']:<20} {','.join(row['axes']) or '-':<14} x{row['count']:<5} "
+            f"{fmt_bytes(row['bytes']):>12}  in {row['computation']}"
+        )
 
 
 def main(argv=None) -> int:

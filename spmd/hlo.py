@@ -13,8 +13,23 @@ import re
 import numpy as np
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _COMP_START = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]fn)?)\[([0-9,]*)\]")
@@ -32,8 +47,10 @@ class Collective:
 
 
 def shape_bytes(shape: str) -> int:
-    return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dt, dims in _ARRAY.findall(shape))
+    return sum(
+        _DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        for dt, dims in _ARRAY.findall(shape)
+    )
 
 
 def _computations(text: str):
@@ -71,7 +88,9 @@ def _multipliers(comps, entry) -> dict[str, int]:
             if op == "while":
                 t = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
                 trips = int(t.group(1)) if t else 1
-            for attr, callee in re.findall(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest):
+            for attr, callee in re.findall(
+                r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest
+            ):
                 factor = trips if attr in ("body", "condition") else 1
                 mult[callee] += mult[comp] * factor
                 if callee not in seen:
@@ -95,7 +114,9 @@ def _iota_groups(spec: str) -> np.ndarray | None:
 def _groups(rest: str) -> list[list[int]] | None:
     m = re.search(r"replica_groups=(\{\{[\d,{} ]*\}\})", rest)
     if m:
-        return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(1)[1:-1])]
+        return [
+            [int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(1)[1:-1])
+        ]
     m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)
     if m:
         return _iota_groups(m.group(1)).tolist()
@@ -106,7 +127,11 @@ def _groups(rest: str) -> list[list[int]] | None:
         ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
         keep = [i for i, (n, _) in enumerate(sizes) if n in along]
         other = [i for i in range(len(sizes)) if i not in keep]
-        return ids.transpose(other + keep).reshape(-1, math.prod(sizes[i][1] for i in keep) if keep else 1).tolist()
+        return (
+            ids.transpose(other + keep)
+            .reshape(-1, math.prod(sizes[i][1] for i in keep) if keep else 1)
+            .tolist()
+        )
     return None
 
 
@@ -131,15 +156,18 @@ def collectives(text: str, mesh) -> list[Collective]:
             if not m:
                 continue
             op = m.group(3)
-            kind = op[:-len("-start")] if op.endswith("-start") else op
+            kind = op[: -len("-start")] if op.endswith("-start") else op
             if kind not in KINDS or mult.get(comp, 0) == 0:
                 continue
             shape, rest = m.group(2), m.group(4)
             arrays = _ARRAY.findall(shape)
             if op.endswith("-start") and len(arrays) > 1:  # (operands..., results...): count the results
-                shape = " ".join(f"{dt}[{dims}]" for dt, dims in arrays[len(arrays) // 2:])
+                shape = " ".join(f"{dt}[{dims}]" for dt, dims in arrays[len(arrays) // 2 :])
             if kind == "collective-permute":
-                pairs = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", rest.split("source_target_pairs=")[-1])]
+                pairs = [
+                    [int(a), int(b)]
+                    for a, b in re.findall(r"\{(\d+),(\d+)\}", rest.split("source_target_pairs=")[-1])
+                ]
                 groups = [p for p in pairs if p[0] != p[1]]
             else:
                 groups = _groups(rest) or []

@@ -10,7 +10,9 @@ from spmd.cli import _exit_now, _log, _Parser, _set_host_devices
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", required=True, help="a training run directory (or a checkpoints dir, or one step)")
+    p.add_argument(
+        "--run-dir", required=True, help="a training run directory (or a checkpoints dir, or one step)"
+    )
     p.add_argument("--step", type=int, help="a committed step [latest]")
     p.add_argument("--mesh", default="fsdp=-1", help="mesh to load onto [fsdp=-1]")
     p.add_argument("--rules", help="sharding rules [the run's own]")
@@ -20,8 +22,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 def eval_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="spmd-eval", description="Held-out loss, perplexity and bits per byte of a checkpoint.")
     _common(p)
-    p.add_argument("--data", help="evaluate on this data's held-out split instead of the run's (same formats as data.path)")
-    p.add_argument("--batches", type=int, help="number of held-out batches [train.eval_batches, as logged in training]")
+    p.add_argument(
+        "--data",
+        help="evaluate on this data's held-out split instead of the run's (same formats as data.path)",
+    )
+    p.add_argument(
+        "--batches", type=int, help="number of held-out batches [train.eval_batches, as logged in training]"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -67,8 +74,10 @@ def _eval(args) -> int:
         print(json.dumps(result))
     else:
         bpb = f", {result['bits_per_byte']:.4f} bits per byte" if result["bits_per_byte"] is not None else ""
-        print(f"step {result['step']}: loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
-              f"{bpb} ({result['tokens']:,} held-out tokens in {result['batches']} batches; {result['data']})")
+        print(
+            f"step {result['step']}: loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
+            f"{bpb} ({result['tokens']:,} held-out tokens in {result['batches']} batches; {result['data']})"
+        )
     return 0
 
 
@@ -97,12 +106,16 @@ def _sample(args) -> int:
         if len(p) == 0:
             raise UserError("a prompt is empty; give at least one character")
         if len(p) > context:
-            raise UserError(f"prompt {text[:30]!r}... is {len(p)} tokens, longer than the model's context of "
-                            f"{context} tokens (train.seq_len); shorten it")
+            raise UserError(
+                f"prompt {text[:30]!r}... is {len(p)} tokens, longer than the model's context of "
+                f"{context} tokens (train.seq_len); shorten it"
+            )
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     if longest > context:
-        _log(f"warning: prompt + {args.max_new_tokens} new tokens reach position {longest}, past the {context} "
-             f"positions the model was trained on")
+        _log(
+            f"warning: prompt + {args.max_new_tokens} new tokens reach position {longest}, past the {context} "
+            f"positions the model was trained on"
+        )
     sampler = inference.Sampler(loaded)
     if len(prompts) == 1:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -113,7 +126,9 @@ def _sample(args) -> int:
             sys.stdout.write(decoder.decode(bytes([int(tokens_B[0])])))
             sys.stdout.flush()
 
-        sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_token=stream)
+        sampler.generate(
+            prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_token=stream
+        )
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     else:
         outs = sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed)

@@ -48,15 +48,25 @@ def default_rules(meta: dict) -> str:
         return "fsdp"
 
 
-def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, overrides=(),
-         batch: int | None = None, seq_len: int | None = None, decoding: bool = False) -> Loaded:
+def load(
+    path: str,
+    step: int | None,
+    mesh_spec: str,
+    rules_name: str | None,
+    overrides=(),
+    batch: int | None = None,
+    seq_len: int | None = None,
+    decoding: bool = False,
+) -> Loaded:
     """Restore a checkpoint's parameters onto `mesh_spec` x rules (default: the run's own rules);
     `decoding`: for KV-cache generation (see Rules.for_decoding)."""
     directory, latest = ckpt.locate(path)
     if step is not None:
         if step not in ckpt.committed_steps(directory):
-            raise UserError(f"no committed checkpoint for step {step} in {directory} "
-                            f"(committed: {', '.join(map(str, ckpt.committed_steps(directory))) or 'none'})")
+            raise UserError(
+                f"no committed checkpoint for step {step} in {directory} "
+                f"(committed: {', '.join(map(str, ckpt.committed_steps(directory))) or 'none'})"
+            )
         latest = step
     meta = ckpt.read_meta(directory, latest)
     cfg = config_from_json(meta["run"]["config"])
@@ -76,8 +86,10 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
     B = batch if batch is not None else cfg.train.global_batch_size
     B = B or math.prod(dict(mesh.shape)[a] for a in rules.mapping.get("batch", ()))
     plan = sharding_lib.plan(cfg.model, mesh, rules, B, seq_len or cfg.train.seq_len)
-    trainer = build_trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=B,
-                                                                                 microbatches=1)), plan)
+    trainer = build_trainer(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=B, microbatches=1)),
+        plan,
+    )
     state, meta = ckpt.restore(directory, latest, trainer.abstract_state)
     return Loaded(cfg, latest, meta, trainer, state["params"])
 
@@ -90,9 +102,14 @@ def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
         total, count = total + float(ce_sum), count + float(n)
     loss = total / max(count, 1.0)
     byte_level = loaded.cfg.model.vocab_size == 256 and not loaded.cfg.data.path.endswith((".npy", ".bin"))
-    return {"step": loaded.step, "loss": loss, "perplexity": math.exp(loss),
-            "bits_per_byte": loss / math.log(2) if byte_level else None, "tokens": int(count),
-            "batches": n_batches}
+    return {
+        "step": loaded.step,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": loss / math.log(2) if byte_level else None,
+        "tokens": int(count),
+        "batches": n_batches,
+    }
 
 
 def batch_multiple(loaded: Loaded) -> int:
@@ -120,13 +137,23 @@ class Sampler:
         self.replicated = plan.replicated
 
     def empty_cache(self, batch: int, slots: int) -> KVCache:
-        shardings = KVCache(self.cache_sharding, self.cache_sharding,
-                            NamedSharding(self.loaded.plan.mesh, self.loaded.plan.batch_sharding.spec),
-                            self.replicated)
+        shardings = KVCache(
+            self.cache_sharding,
+            self.cache_sharding,
+            NamedSharding(self.loaded.plan.mesh, self.loaded.plan.batch_sharding.spec),
+            self.replicated,
+        )
         return jax.jit(lambda: KVCache.empty(self.cfg, batch, slots), out_shardings=shardings)()
 
-    def generate(self, prompts: list[np.ndarray], max_new_tokens: int, temperature: float, top_k: int, seed: int,
-                 on_token=None) -> list[np.ndarray]:
+    def generate(
+        self,
+        prompts: list[np.ndarray],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int,
+        on_token=None,
+    ) -> list[np.ndarray]:
         """New tokens for each prompt; `on_token(t, tokens_B)` is called as each step's tokens arrive."""
         n = len(prompts)
         B = -(-n // batch_multiple(self.loaded)) * batch_multiple(self.loaded)
@@ -134,7 +161,7 @@ class Sampler:
         tokens_BP = np.zeros((B, P), np.int32)
         pad_B = np.full((B,), P, np.int32)
         for i, p in enumerate(prompts):
-            tokens_BP[i, P - len(p):] = p
+            tokens_BP[i, P - len(p) :] = p
             pad_B[i] = P - len(p)
         positions_BP = np.arange(P)[None, :] - pad_B[:, None]  # padding gets negative positions: masked
         cache = self.empty_cache(B, P + max_new_tokens)
@@ -175,6 +202,8 @@ def _sample(logits_BV, key, temperature, top_k: int):
 
 def encode(text: str, cfg) -> np.ndarray:
     if cfg.model.vocab_size != 256 or cfg.data.path.endswith((".npy", ".bin")):
-        raise UserError("spmd-sample reads text prompts as bytes, so it needs a byte-level model (vocab_size 256, "
-                        "trained on text); this run used pre-tokenized data")
+        raise UserError(
+            "spmd-sample reads text prompts as bytes, so it needs a byte-level model (vocab_size 256, "
+            "trained on text); this run used pre-tokenized data"
+        )
     return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)

@@ -24,8 +24,11 @@ GRACE_S = 10
 def build_parser() -> argparse.ArgumentParser:
     from spmd.cli import _Parser
 
-    p = _Parser(prog="spmd-launch", description=__doc__.split("\n\n")[0],
-                epilog="example: spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=8")
+    p = _Parser(
+        prog="spmd-launch",
+        description=__doc__.split("\n\n")[0],
+        epilog="example: spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=8",
+    )
     p.add_argument("--processes", type=int, required=True, help="number of processes")
     p.add_argument("--host-devices", type=int, help="simulated CPU devices per process")
     p.add_argument("--port", type=int, help="coordinator port [a free one]")
@@ -49,11 +52,23 @@ def launch(n: int, command: list[str], host_devices: int | None = None, port: in
     port = port or free_port()
     procs, pumps = [], []
     for i in range(n):
-        env = dict(os.environ, SPMD_COORDINATOR=f"127.0.0.1:{port}", SPMD_NUM_PROCESSES=str(n), SPMD_PROCESS_ID=str(i))
+        env = dict(
+            os.environ,
+            SPMD_COORDINATOR=f"127.0.0.1:{port}",
+            SPMD_NUM_PROCESSES=str(n),
+            SPMD_PROCESS_ID=str(i),
+        )
         if host_devices is not None:
             env["SPMD_HOST_DEVICES"] = str(host_devices)
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out), daemon=True)
@@ -74,7 +89,11 @@ def launch(n: int, command: list[str], host_devices: int | None = None, port: in
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, code = failed[0]
-            print(f"spmd-launch: process {i} exited with {code}; stopping the others", file=sys.stderr, flush=True)
+            print(
+                f"spmd-launch: process {i} exited with {code}; stopping the others",
+                file=sys.stderr,
+                flush=True,
+            )
             _stop(procs)
             break
         if all(c == 0 for c in codes):
@@ -102,7 +121,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print("error: give the command to run after --, e.g. spmd-launch --processes 2 -- spmd-train ...", file=sys.stderr)
+        print(
+            "error: give the command to run after --, e.g. spmd-launch --processes 2 -- spmd-train ...",
+            file=sys.stderr,
+        )
         return 2
     if args.processes < 1:
         print(f"error: --processes must be positive, got {args.processes}", file=sys.stderr)

@@ -67,8 +67,15 @@ def per_shard(fn, in_logical, out_logical):
 
     def spec(logical):
         if "seq" in logical and split_axes(rules, mesh, "seq"):
-            raise ValueError(f"rules {rules.name!r} shard the sequence, which per-shard attention cannot handle")
+            raise ValueError(
+                f"rules {rules.name!r} shard the sequence, which per-shard attention cannot handle"
+            )
         return rules.spec(logical)
 
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(l) for l in in_logical), out_specs=spec(out_logical),
-                         check_vma=False)
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(spec(names) for names in in_logical),
+        out_specs=spec(out_logical),
+        check_vma=False,
+    )

@@ -92,4 +92,3 @@ def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:
             [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices=devices, process_is_granule=True
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-

@@ -13,8 +13,16 @@ from spmd.data import cache_dir
 
 # Dense bf16 peak per device (FLOP/s) from vendor datasheets, for accelerators we know.
 PEAK_FLOPS_TABLE = {
-    "H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L4": 121e12,
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
 }
 
 MATMUL_N = 2048
@@ -57,7 +65,10 @@ def peak_flops(dtype: str) -> tuple[float, str]:
     if device.platform != "cpu":
         for name, flops in PEAK_FLOPS_TABLE.items():
             if name.lower() in device.device_kind.lower():
-                return flops * jax.device_count(), f"table: {name} {flops / 1e12:.0f} TFLOP/s/device x {jax.device_count()}"
+                return (
+                    flops * jax.device_count(),
+                    f"table: {name} {flops / 1e12:.0f} TFLOP/s/device x {jax.device_count()}",
+                )
     key = f"{device.platform}|{device.device_kind}|{dtype}|{os.cpu_count()}|jax {jax.__version__}"
     path = cache_dir() / "peak_flops.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
@@ -87,7 +98,9 @@ class MetricsWriter:
         self.run_dir = run_dir
         path = run_dir / "metrics.jsonl"
         # A resumed run continues the file (already trimmed to the restored step), and its plot.
-        self.history: list[dict] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        self.history: list[dict] = (
+            [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        )
         self.jsonl = open(path, "a")
         self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 

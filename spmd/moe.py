@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.logical import active as active_sharding, split_axes
+from spmd.logical import active as active_sharding
+from spmd.logical import split_axes
 
 TOKEN_AXES = ("batch", "seq", None)
 
@@ -30,8 +31,14 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
     active = active_sharding()
     if active is None:
         B, T, D = x_BTD.shape
-        out = dropless_reference(x_BTD.reshape(B * T, D), experts_BTk.reshape(B * T, -1),
-                                 weights_BTk.reshape(B * T, -1), w_gate_EDF, w_up_EDF, w_down_EFD)
+        out = dropless_reference(
+            x_BTD.reshape(B * T, D),
+            experts_BTk.reshape(B * T, -1),
+            weights_BTk.reshape(B * T, -1),
+            w_gate_EDF,
+            w_up_EDF,
+            w_down_EFD,
+        )
         return out.reshape(B, T, D)
     rules, mesh = active
     expert_axes, tensor_axes = split_axes(rules, mesh, "expert"), split_axes(rules, mesh, "mlp")
@@ -54,9 +61,11 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
         return out.reshape(B, T, D).astype(x_BTD.dtype)
 
     return jax.shard_map(
-        local, mesh=mesh,
+        local,
+        mesh=mesh,
         in_specs=(token_spec, token_spec, token_spec, P(ep, None, tp), P(ep, None, tp), P(ep, tp, None)),
-        out_specs=token_spec, check_vma=False,
+        out_specs=token_spec,
+        check_vma=False,
     )(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
@@ -69,7 +78,9 @@ def _exchange(x_TD, e_M, w_M, k, wg, wu, wd, axis, n):
     count_n = jnp.bincount(dest_s, length=n)
     rank_s = jnp.arange(M) - (jnp.cumsum(count_n) - count_n)[dest_s]  # slot within its destination
     send_nMD = jnp.zeros((n, M, D), x_TD.dtype).at[dest_s, rank_s].set(x_TD[token_s])
-    send_nM = jnp.full((n, M), E_local, jnp.int32).at[dest_s, rank_s].set(e_s % E_local)  # E_local: empty slot
+    send_nM = (
+        jnp.full((n, M), E_local, jnp.int32).at[dest_s, rank_s].set(e_s % E_local)
+    )  # E_local: empty slot
     recv_nMD = jax.lax.all_to_all(send_nMD, axis, 0, 0)
     recv_nM = jax.lax.all_to_all(send_nM, axis, 0, 0)
 

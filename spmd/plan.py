@@ -36,13 +36,30 @@ HARDWARE = {
 }
 # Each preset: the mesh axes it can use, and those it needs (so a candidate is never a simpler preset
 # under another name: fsdp_tp on a mesh without tensor would be fsdp).
-PRESET_AXES = {"dp": {"data"}, "fsdp": {"data", "fsdp"}, "tp": {"data", "tensor"}, "fsdp_tp": {"data", "fsdp", "tensor"},
-               "tp_sp": {"data", "tensor"}, "fsdp_tp_sp": {"data", "fsdp", "tensor"},
-               "ep": {"data", "expert", "tensor"}, "fsdp_ep": {"data", "fsdp", "expert", "tensor"},
-               "cp_ring": {"data", "fsdp", "context", "tensor"}, "cp_ulysses": {"data", "fsdp", "context", "tensor"}}
-REQUIRED = {"dp": set(), "fsdp": {"fsdp"}, "tp": {"tensor"}, "fsdp_tp": {"fsdp", "tensor"},
-            "tp_sp": {"tensor"}, "fsdp_tp_sp": {"fsdp", "tensor"}, "ep": {"expert"}, "fsdp_ep": {"fsdp", "expert"},
-            "cp_ring": {"context"}, "cp_ulysses": {"context"}}
+PRESET_AXES = {
+    "dp": {"data"},
+    "fsdp": {"data", "fsdp"},
+    "tp": {"data", "tensor"},
+    "fsdp_tp": {"data", "fsdp", "tensor"},
+    "tp_sp": {"data", "tensor"},
+    "fsdp_tp_sp": {"data", "fsdp", "tensor"},
+    "ep": {"data", "expert", "tensor"},
+    "fsdp_ep": {"data", "fsdp", "expert", "tensor"},
+    "cp_ring": {"data", "fsdp", "context", "tensor"},
+    "cp_ulysses": {"data", "fsdp", "context", "tensor"},
+}
+REQUIRED = {
+    "dp": set(),
+    "fsdp": {"fsdp"},
+    "tp": {"tensor"},
+    "fsdp_tp": {"fsdp", "tensor"},
+    "tp_sp": {"tensor"},
+    "fsdp_tp_sp": {"fsdp", "tensor"},
+    "ep": {"expert"},
+    "fsdp_ep": {"fsdp", "expert"},
+    "cp_ring": {"context"},
+    "cp_ulysses": {"context"},
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -60,18 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="small")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--memory-per-device", required=True, help="e.g. 80GiB")
-    p.add_argument("--dcn", type=int, default=1, help="hosts (slices) the devices span; cross-host axes use DCN bandwidth")
+    p.add_argument(
+        "--dcn",
+        type=int,
+        default=1,
+        help="hosts (slices) the devices span; cross-host axes use DCN bandwidth",
+    )
     p.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--ici-gbps", type=float)
     p.add_argument("--dcn-gbps", type=float)
-    p.add_argument("--candidates", type=int, default=6,
-                   help="dry-run down the ranking until this many layouts fit [6]")
-    p.add_argument("--max-compiles", type=int, help="stop dry-running after this many compiles [4 x --candidates]")
-    p.add_argument("--axes", help="mesh axes to search, e.g. data,fsdp,context,tensor "
-                                  "[data,fsdp,tensor; with expert for MoE models]")
+    p.add_argument(
+        "--candidates", type=int, default=6, help="dry-run down the ranking until this many layouts fit [6]"
+    )
+    p.add_argument(
+        "--max-compiles", type=int, help="stop dry-running after this many compiles [4 x --candidates]"
+    )
+    p.add_argument(
+        "--axes",
+        help="mesh axes to search, e.g. data,fsdp,context,tensor "
+        "[data,fsdp,tensor; with expert for MoE models]",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--host-devices", type=int, default=_env_host_devices(), help="fake CPU devices [--devices]")
+    p.add_argument(
+        "--host-devices", type=int, default=_env_host_devices(), help="fake CPU devices [--devices]"
+    )
     return p
 
 
@@ -95,8 +125,10 @@ def search_axes(cfg, text: str | None) -> tuple[str, ...]:
         wanted = {a.strip() for a in text.split(",") if a.strip()}
         unknown = sorted(wanted - set(MESH_AXES))
         if unknown or not wanted:
-            raise UserError(f"--axes: unknown mesh axis {', '.join(unknown) or '(none given)'}; "
-                            f"choose among {', '.join(MESH_AXES)}")
+            raise UserError(
+                f"--axes: unknown mesh axis {', '.join(unknown) or '(none given)'}; "
+                f"choose among {', '.join(MESH_AXES)}"
+            )
     return tuple(a for a in MESH_AXES if a in wanted)
 
 
@@ -107,7 +139,9 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
     from spmd.mesh import build_mesh
     from spmd.rules import load_rules
 
-    rules = {preset: load_rules(preset).with_attention(cfg.attention) for preset in PRESET_AXES}  # once, not per mesh
+    rules = {
+        preset: load_rules(preset).with_attention(cfg.attention) for preset in PRESET_AXES
+    }  # once, not per mesh
     for sizes in meshes(n, axes):
         used = {a for a, s in sizes.items() if s > 1}
         spec = ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "data=1"
@@ -115,8 +149,14 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
             if not used <= preset_axes or not REQUIRED[preset] <= used:
                 continue
             try:
-                plan = sharding_lib.plan(cfg.model, build_mesh(spec), rules[preset], cfg.train.global_batch_size,
-                                         cfg.train.seq_len, cfg.train.microbatches)
+                plan = sharding_lib.plan(
+                    cfg.model,
+                    build_mesh(spec),
+                    rules[preset],
+                    cfg.train.global_batch_size,
+                    cfg.train.seq_len,
+                    cfg.train.microbatches,
+                )
                 yield spec, preset, plan, None
             except UserError as e:
                 yield spec, preset, None, str(e)
@@ -138,7 +178,12 @@ def estimate(cfg, plan, hw, dcn: int, volume: dict | None = None) -> dict:
             dcn_axes.add(axis)
             remaining = max(1, remaining // math.gcd(remaining, sizes[axis]))
     comm_s = sum(v / (hw["dcn"] if axis in dcn_axes else hw["ici"]) for axis, v in volume.items())
-    return {"compute_s": compute_s, "comm_s": comm_s, "step_s": compute_s + comm_s, "dcn_axes": sorted(dcn_axes)}
+    return {
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "step_s": compute_s + comm_s,
+        "dcn_axes": sorted(dcn_axes),
+    }
 
 
 def _t(seconds: float) -> str:
@@ -158,7 +203,11 @@ def run(args) -> int:
     if min(args.devices, args.dcn, args.candidates, max_compiles) < 1:
         raise UserError("--devices, --dcn, --candidates and --max-compiles must be positive")
     hw = dict(HARDWARE[args.hardware])
-    for key, flag, scale in (("peak", "peak_tflops", 1e12), ("ici", "ici_gbps", 1e9), ("dcn", "dcn_gbps", 1e9)):
+    for key, flag, scale in (
+        ("peak", "peak_tflops", 1e12),
+        ("ici", "ici_gbps", 1e9),
+        ("dcn", "dcn_gbps", 1e9),
+    ):
         if getattr(args, flag) is not None:
             hw[key] = getattr(args, flag) * scale
     if args.devices % args.dcn:
@@ -172,11 +221,24 @@ def run(args) -> int:
         opt = tree_bytes_per_device(build_trainer(cfg, plan).abstract_state["opt_state"])
         static = 2 * plan.param_bytes_per_device + opt
         if static > budget:
-            rejected.append((spec, preset, f"params + grads + optimizer state {fmt_bytes(static)} per device "
-                                           f"> budget {fmt_bytes(budget)}"))
+            rejected.append(
+                (
+                    spec,
+                    preset,
+                    f"params + grads + optimizer state {fmt_bytes(static)} per device "
+                    f"> budget {fmt_bytes(budget)}",
+                )
+            )
             continue
-        fits.append({"mesh": spec, "rules": preset, "plan": plan, "static": static,
-                     **estimate(cfg, plan, hw, args.dcn)})
+        fits.append(
+            {
+                "mesh": spec,
+                "rules": preset,
+                "plan": plan,
+                "static": static,
+                **estimate(cfg, plan, hw, args.dcn),
+            }
+        )
     fits.sort(key=lambda c: c["step_s"])
 
     # The analytic memory above leaves activations out, so at long sequences many of the fastest
@@ -186,36 +248,59 @@ def run(args) -> int:
         if len(ranked) == args.candidates or compiled == max_compiles:
             break
         compiled += 1
-        r = dryrun.run(types.SimpleNamespace(config=args.config, mesh=cand["mesh"], rules=cand["rules"], set=args.set,
-                                             list=False))
+        r = dryrun.run(
+            types.SimpleNamespace(
+                config=args.config, mesh=cand["mesh"], rules=cand["rules"], set=args.set, list=False
+            )
+        )
         need = r["per_device_bytes"]["arguments"] + r["per_device_bytes"]["temporaries"]
         if need > budget:
-            rejected.append((cand["mesh"], cand["rules"], f"compiled step needs {fmt_bytes(need)} per device "
-                                                          f"(arguments + temporaries) > budget {fmt_bytes(budget)}"))
+            rejected.append(
+                (
+                    cand["mesh"],
+                    cand["rules"],
+                    f"compiled step needs {fmt_bytes(need)} per device "
+                    f"(arguments + temporaries) > budget {fmt_bytes(budget)}",
+                )
+            )
             continue
         by_axis = {}
         for row in r["collectives"]:
             for axis in row["axes"] or ["-"]:
                 by_axis[axis] = by_axis.get(axis, 0.0) + row["volume_bytes"] / max(1, len(row["axes"]))
         est = estimate(cfg, cand["plan"], hw, args.dcn, by_axis)
-        ranked.append({**cand, **est, "need": need, "sent": r["collective_volume_bytes"],
-                       "compile_s": r["compile_seconds"]})
+        ranked.append(
+            {
+                **cand,
+                **est,
+                "need": need,
+                "sent": r["collective_volume_bytes"],
+                "compile_s": r["compile_seconds"],
+            }
+        )
     ranked.sort(key=lambda c: c["step_s"])
 
-    print(f"{cfg.name} on {args.devices} devices ({args.hardware}: {hw['peak'] / 1e12:.0f} TFLOP/s, "
-          f"ICI {hw['ici'] / 1e9:.0f} GB/s, DCN {hw['dcn'] / 1e9:.0f} GB/s, {args.dcn} host(s)), "
-          f"budget {fmt_bytes(budget)} per device\n")
+    print(
+        f"{cfg.name} on {args.devices} devices ({args.hardware}: {hw['peak'] / 1e12:.0f} TFLOP/s, "
+        f"ICI {hw['ici'] / 1e9:.0f} GB/s, DCN {hw['dcn'] / 1e9:.0f} GB/s, {args.dcn} host(s)), "
+        f"budget {fmt_bytes(budget)} per device\n"
+    )
     print("best layouts (dry-run compiled; step time = compute + communication, not overlapped):")
     for i, c in enumerate(ranked[:5], 1):
-        print(f"  {i}. --mesh {c['mesh']} --rules {c['rules']}: est. step {_t(c['step_s'])} "
-              f"(compute {_t(c['compute_s'])} + comm {_t(c['comm_s'])}"
-              + (f", DCN axes {','.join(c['dcn_axes'])}" if c["dcn_axes"] else "") + f"); "
-              f"needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}")
+        print(
+            f"  {i}. --mesh {c['mesh']} --rules {c['rules']}: est. step {_t(c['step_s'])} "
+            f"(compute {_t(c['compute_s'])} + comm {_t(c['comm_s'])}"
+            + (f", DCN axes {','.join(c['dcn_axes'])}" if c["dcn_axes"] else "")
+            + f"); "
+            f"needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}"
+        )
     if not ranked:
         print("  none fits; more devices, microbatches (--set train.microbatches=N) or remat would help")
     if len(fits) > compiled:
-        print(f"  ({len(fits) - compiled} more fit by analytic memory but were not compiled: raise --candidates"
-              + (" or --max-compiles)" if compiled == max_compiles else ")"))
+        print(
+            f"  ({len(fits) - compiled} more fit by analytic memory but were not compiled: raise --candidates"
+            + (" or --max-compiles)" if compiled == max_compiles else ")")
+        )
     print(f"\nrejected ({len(rejected)}):")
     for spec, preset, reason in rejected:
         print(f"  --mesh {spec} --rules {preset}: {reason}")

@@ -29,10 +29,26 @@ PRESET_DIR = pathlib.Path(__file__).resolve().parent.parent / "sharding_rules"
 # given model does not use (an MoE preset maps `expert`), but never a name outside this list.
 LOGICAL_AXES = (
     # parameters
-    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers", "expert",
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "norm",
+    "layers",
+    "expert",
     # activations
-    "batch", "seq", "act_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab",
-    "act_expert", "act_moe_batch",
+    "batch",
+    "seq",
+    "act_seq",
+    "act_embed",
+    "act_heads",
+    "act_kv_heads",
+    "act_mlp",
+    "act_vocab",
+    "act_expert",
+    "act_moe_batch",
 )
 
 CONTEXT_PARALLEL = ("ring", "ulysses", "allgather")
@@ -56,8 +72,11 @@ class Rules:
 
     def with_attention(self, attention_cfg) -> "Rules":
         """These rules with the config's [attention] overrides applied."""
-        changes = {k: getattr(attention_cfg, k) for k in ("context_parallel", "load_balance")
-                   if getattr(attention_cfg, k)}
+        changes = {
+            k: getattr(attention_cfg, k)
+            for k in ("context_parallel", "load_balance")
+            if getattr(attention_cfg, k)
+        }
         return dataclasses.replace(self, **changes) if changes else self
 
     def for_decoding(self) -> "Rules":
@@ -91,9 +110,13 @@ class Rules:
         return NamedSharding(mesh, self.spec(logical))
 
     def to_json(self) -> dict:
-        return {"name": self.name, "description": self.description,
-                "context_parallel": self.context_parallel, "load_balance": self.load_balance,
-                "rules": {k: list(v) for k, v in self.mapping.items()}}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "context_parallel": self.context_parallel,
+            "load_balance": self.load_balance,
+            "rules": {k: list(v) for k, v in self.mapping.items()},
+        }
 
 
 def load_rules(name_or_path: str) -> Rules:
@@ -119,7 +142,9 @@ def load_rules(name_or_path: str) -> Rules:
         raise UserError(f"unknown key {key!r} in rules file {str(path)!r}{closest(key, top_keys)}")
     for key, choices in (("context_parallel", CONTEXT_PARALLEL), ("load_balance", LOAD_BALANCE)):
         if key in doc and doc[key] not in choices:
-            raise UserError(f"rules file {str(path)!r}: {key} must be one of {', '.join(choices)}, got {doc[key]!r}")
+            raise UserError(
+                f"rules file {str(path)!r}: {key} must be one of {', '.join(choices)}, got {doc[key]!r}"
+            )
     table = doc.get("rules")
     if not isinstance(table, dict):
         raise UserError(f"rules file {str(path)!r} needs a [rules] table mapping logical axes to mesh axes")
@@ -156,8 +181,12 @@ def load_rules(name_or_path: str) -> Rules:
     )
 
 
-def validate(rules: Rules, specs: dict[str, tuple[str | None, ...]], mesh_sizes: dict[str, int],
-             shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+def validate(
+    rules: Rules,
+    specs: dict[str, tuple[str | None, ...]],
+    mesh_sizes: dict[str, int],
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> None:
     """Check a model's logical specs against the rules and the mesh.
 
     `specs` maps a name (a parameter path, or an activation's name) to its logical axes;

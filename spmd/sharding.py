@@ -105,8 +105,9 @@ def _local_shape(shape, spec, sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
-def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_len: int,
-         microbatches: int = 1) -> ShardingPlan:
+def plan(
+    model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_len: int, microbatches: int = 1
+) -> ShardingPlan:
     """Validate the rules against the model and mesh, and resolve every sharding."""
     graphdef, abstract = abstract_model(model_cfg)
     sizes = dict(mesh.shape)
@@ -116,16 +117,20 @@ def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_le
     batch_logical = ("batch", "seq")
     act_specs = {"batch tokens": batch_logical, **Decoder.ACTIVATION_AXES}
     micro = global_batch_size // microbatches
-    act_shapes = {"batch tokens": (micro, seq_len),
-                  "activation residual_BTD": (micro, seq_len, model_cfg.d_model),
-                  "activation logits_BTV": (micro, seq_len, model_cfg.vocab_size)}
+    act_shapes = {
+        "batch tokens": (micro, seq_len),
+        "activation residual_BTD": (micro, seq_len, model_cfg.d_model),
+        "activation logits_BTV": (micro, seq_len, model_cfg.vocab_size),
+    }
     if model_cfg.n_experts:
         expert_axes = rules.mapping.get("expert", ())
         n = math.prod(sizes[a] for a in expert_axes)
         if model_cfg.n_experts % n:
             where = " x ".join(f"{a}={sizes[a]}" for a in expert_axes)
-            raise UserError(f"model.n_experts ({model_cfg.n_experts}) does not divide by the expert mesh axes "
-                            f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis")
+            raise UserError(
+                f"model.n_experts ({model_cfg.n_experts}) does not divide by the expert mesh axes "
+                f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis"
+            )
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     problems = context.check(rules, mesh, model_cfg.n_heads, model_cfg.n_kv_heads, seq_len)
     if problems:
@@ -134,7 +139,9 @@ def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_le
     infos = []
     for p, v in flat:
         spec = rules.spec(specs[p])
-        infos.append(ParamInfo(p, specs[p], shapes[p], np.dtype(v.dtype), spec, _local_shape(shapes[p], spec, sizes)))
+        infos.append(
+            ParamInfo(p, specs[p], shapes[p], np.dtype(v.dtype), spec, _local_shape(shapes[p], spec, sizes))
+        )
     by_path = {i.path: i for i in infos}
 
     def sharding_for(path, _):
@@ -146,8 +153,13 @@ def plan(model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_le
         lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(path, x)), pure
     )
     return ShardingPlan(
-        mesh=mesh, rules=rules, graphdef=graphdef, abstract_params=abstract_params, params=infos,
-        param_shardings=param_shardings, batch_sharding=rules.sharding(mesh, batch_logical),
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        abstract_params=abstract_params,
+        params=infos,
+        param_shardings=param_shardings,
+        batch_sharding=rules.sharding(mesh, batch_logical),
         replicated=NamedSharding(mesh, PartitionSpec()),
     )
 
@@ -180,23 +192,37 @@ def sharding_table(p: ShardingPlan, opt_state_abstract=None) -> str:
     """Every parameter's logical axes, PartitionSpec, global and per-device shape and bytes; totals."""
     rows = [("parameter", "logical axes", "spec", "global shape", "per-device shape", "bytes/device")]
     for i in p.params:
-        rows.append((
-            i.path, "(" + ", ".join(n or "-" for n in i.logical) + ")", format_spec(i.spec),
-            "x".join(map(str, i.shape)), "x".join(map(str, i.local_shape)), fmt_bytes(i.bytes_per_device),
-        ))
+        rows.append(
+            (
+                i.path,
+                "(" + ", ".join(n or "-" for n in i.logical) + ")",
+                format_spec(i.spec),
+                "x".join(map(str, i.shape)),
+                "x".join(map(str, i.local_shape)),
+                fmt_bytes(i.bytes_per_device),
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if c < 5 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if c < 5 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     mesh_desc = ",".join(f"{a}={s}" for a, s in p.mesh.shape.items() if s > 1) or "single device"
     lines.append("")
     lines.append(f"mesh: {mesh_desc} ({p.mesh.size} devices); rules: {p.rules.name}")
-    lines.append(f"parameters: {sum(math.prod(i.shape) for i in p.params):,} "
-                 f"({fmt_bytes(p.param_bytes_total)} in all)")
-    lines.append(f"per device: params {fmt_bytes(p.param_bytes_per_device)}"
-                 + (f", optimizer state {fmt_bytes(tree_bytes_per_device(opt_state_abstract))}"
-                    f", total {fmt_bytes(p.param_bytes_per_device + tree_bytes_per_device(opt_state_abstract))}"
-                    if opt_state_abstract is not None else ""))
+    lines.append(
+        f"parameters: {sum(math.prod(i.shape) for i in p.params):,} ({fmt_bytes(p.param_bytes_total)} in all)"
+    )
+    lines.append(
+        f"per device: params {fmt_bytes(p.param_bytes_per_device)}"
+        + (
+            f", optimizer state {fmt_bytes(tree_bytes_per_device(opt_state_abstract))}"
+            f", total {fmt_bytes(p.param_bytes_per_device + tree_bytes_per_device(opt_state_abstract))}"
+            if opt_state_abstract is not None
+            else ""
+        )
+    )
     lines.append(f"replicated share of parameter bytes: {p.replicated_fraction():.1%}")
     warning = p.replication_warning()
     if warning:

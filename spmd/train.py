@@ -33,8 +33,12 @@ def lr_schedule(train_cfg) -> optax.Schedule:
 def make_optimizer(train_cfg, decay_mask) -> optax.GradientTransformation:
     """AdamW with warmup + cosine, global-norm clipping, and no decay where `decay_mask` is False."""
     adamw = optax.adamw(
-        lr_schedule(train_cfg), b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
-        weight_decay=train_cfg.weight_decay, mask=decay_mask,
+        lr_schedule(train_cfg),
+        b1=train_cfg.beta1,
+        b2=train_cfg.beta2,
+        eps=train_cfg.eps,
+        weight_decay=train_cfg.weight_decay,
+        mask=decay_mask,
     )
     if train_cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adamw)
@@ -49,8 +53,9 @@ def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
     )
 
 
-def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None,
-                 moe_coefs=(0.0, 0.0)):
+def token_losses(
+    graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, moe_coefs=(0.0, 0.0)
+):
     """Sums over the batch's counted tokens: (cross-entropy + z-loss, cross-entropy, z-loss, count).
 
     `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
@@ -76,8 +81,13 @@ def token_losses(graphdef, params, batch: Batch, *, z_loss: float, mask_token_id
     # so dividing by the count (after accumulation) leaves coefficient x mean.
     aux, router_z = jnp.mean(moe.aux_loss), jnp.mean(moe.z_loss)
     router_sum = (moe_coefs[0] * aux + moe_coefs[1] * router_z) * count
-    stats = {"moe_aux_loss": aux * count, "moe_router_z_loss": router_z * count, "moe_dropped": jnp.sum(moe.dropped),
-             "moe_choices": jnp.sum(moe.choices), "moe_load_LE": moe.load_E}
+    stats = {
+        "moe_aux_loss": aux * count,
+        "moe_router_z_loss": router_z * count,
+        "moe_dropped": jnp.sum(moe.dropped),
+        "moe_choices": jnp.sum(moe.choices),
+        "moe_load_LE": moe.load_E,
+    }
     return ce_sum + z_sum + router_sum, (ce_sum, z_sum, count, stats)
 
 
@@ -96,12 +106,17 @@ class Trainer:
     @functools.cached_property
     def abstract_state(self):
         """The state as ShapeDtypeStructs carrying its shardings: a restore target, a compile input."""
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            jax.eval_shape(self.init_state), self.state_shardings)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(self.init_state),
+            self.state_shardings,
+        )
 
     def abstract_batch(self, batch: int, seq_len: int) -> Batch:
-        return {name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
-                for name in ("inputs", "targets")}
+        return {
+            name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
+            for name in ("inputs", "targets")
+        }
 
 
 def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
@@ -112,7 +127,10 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
 
     opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, sh: sh, opt_shapes, plan.param_shardings,
+        tx,
+        lambda _, sh: sh,
+        opt_shapes,
+        plan.param_shardings,
         transform_non_params=lambda _: plan.replicated,
     )
     state_shardings = {"params": plan.param_shardings, "opt_state": opt_shardings, "step": plan.replicated}
@@ -124,9 +142,15 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
     moe_coefs = (cfg.model.aux_loss_coef, cfg.model.router_z_loss_coef)
     losses = jax.value_and_grad(
-        lambda params, batch: token_losses(graphdef, params, batch, z_loss=tcfg.z_loss,
-                                           mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm,
-                                           moe_coefs=moe_coefs),
+        lambda params, batch: token_losses(
+            graphdef,
+            params,
+            batch,
+            z_loss=tcfg.z_loss,
+            mask_token_id=cfg.data.mask_token_id,
+            seq_perm=seq_perm,
+            moe_coefs=moe_coefs,
+        ),
         has_aux=True,
     )
     k = tcfg.microbatches
@@ -149,8 +173,11 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             (_, sums), grads = losses(params, microbatch)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
 
-        sums_shape = jax.eval_shape(lambda: losses(params, jax.tree.map(lambda x: x[:: k], batch))[0][1])
-        zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+        sums_shape = jax.eval_shape(lambda: losses(params, jax.tree.map(lambda x: x[::k], batch))[0][1])
+        zeros = (
+            jax.tree.map(jnp.zeros_like, params),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
+        )
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         return grads, sums
 
@@ -170,27 +197,45 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         }
         if moe:
             load_LE = moe.pop("moe_load_LE")
-            metrics.update({"moe_aux_loss": moe["moe_aux_loss"] / count,
-                            "moe_router_z_loss": moe["moe_router_z_loss"] / count,
-                            "moe_dropped_fraction": moe["moe_dropped"] / moe["moe_choices"],
-                            # token-choices routed to the least and the most loaded expert of any MoE layer
-                            "moe_expert_load_min": jnp.min(load_LE), "moe_expert_load_max": jnp.max(load_LE)})
+            metrics.update(
+                {
+                    "moe_aux_loss": moe["moe_aux_loss"] / count,
+                    "moe_router_z_loss": moe["moe_router_z_loss"] / count,
+                    "moe_dropped_fraction": moe["moe_dropped"] / moe["moe_choices"],
+                    # token-choices routed to the least and the most loaded expert of any MoE layer
+                    "moe_expert_load_min": jnp.min(load_LE),
+                    "moe_expert_load_max": jnp.max(load_LE),
+                }
+            )
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def eval_step(params, batch: Batch):
         with activation_sharding(rules, mesh):
-            _, (ce_sum, _, count, _) = token_losses(graphdef, params, batch, z_loss=0.0,
-                                                 mask_token_id=cfg.data.mask_token_id,
-                                                 seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]))
+            _, (ce_sum, _, count, _) = token_losses(
+                graphdef,
+                params,
+                batch,
+                z_loss=0.0,
+                mask_token_id=cfg.data.mask_token_id,
+                seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]),
+            )
         return ce_sum, count
 
     batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
     return Trainer(
-        cfg=cfg, plan=plan, tx=tx, state_shardings=state_shardings,
-        train_step=jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
-                           out_shardings=(state_shardings, plan.replicated), donate_argnums=0),
-        eval_step=jax.jit(eval_step, in_shardings=(plan.param_shardings, batch_shardings),
-                          out_shardings=plan.replicated),
+        cfg=cfg,
+        plan=plan,
+        tx=tx,
+        state_shardings=state_shardings,
+        train_step=jax.jit(
+            train_step,
+            in_shardings=(state_shardings, batch_shardings),
+            out_shardings=(state_shardings, plan.replicated),
+            donate_argnums=0,
+        ),
+        eval_step=jax.jit(
+            eval_step, in_shardings=(plan.param_shardings, batch_shardings), out_shardings=plan.replicated
+        ),
         init_state=jax.jit(init, out_shardings=state_shardings),
     )
 

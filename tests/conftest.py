@@ -33,9 +33,14 @@ def run_training(cfg, mesh_spec: str, rules_name: str, steps: int, devices=None)
     from spmd.train import build_trainer
 
     mesh = build_mesh(mesh_spec, devices=devices)
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules(rules_name).with_attention(cfg.attention),
-                             cfg.train.global_batch_size,
-                             cfg.train.seq_len, cfg.train.microbatches)
+    plan = sharding_lib.plan(
+        cfg.model,
+        mesh,
+        load_rules(rules_name).with_attention(cfg.attention),
+        cfg.train.global_batch_size,
+        cfg.train.seq_len,
+        cfg.train.microbatches,
+    )
     trainer = build_trainer(cfg, plan)
     batches = make_batches(cfg, plan.batch_sharding)
     state = trainer.init_state()

@@ -14,8 +14,11 @@ from spmd.cli import _env_host_devices, _set_host_devices  # noqa: E402
 
 out = pathlib.Path(sys.argv[1])
 _set_host_devices(_env_host_devices())
-distributed.initialize(argparse.Namespace(coordinator=None, num_processes=None, process_id=None,
-                                          init_timeout=60, heartbeat_timeout=30))
+distributed.initialize(
+    argparse.Namespace(
+        coordinator=None, num_processes=None, process_id=None, init_timeout=60, heartbeat_timeout=30
+    )
+)
 from spmd.config import load_config  # noqa: E402
 from spmd.data import make_batches  # noqa: E402
 from spmd.mesh import build_mesh  # noqa: E402
@@ -27,8 +30,12 @@ batches = make_batches(cfg, load_rules("fsdp").sharding(mesh, ("batch", "seq")))
 rows = batches.local_rows
 for step in range(3):
     batch = batches.train_batch(step)
-    local = np.concatenate([np.asarray(s.data) for s in sorted(batch["inputs"].addressable_shards,
-                                                                key=lambda s: s.index[0].start or 0)
-                            if s.replica_id == 0])
+    local = np.concatenate(
+        [
+            np.asarray(s.data)
+            for s in sorted(batch["inputs"].addressable_shards, key=lambda s: s.index[0].start or 0)
+            if s.replica_id == 0
+        ]
+    )
     np.save(out / f"p{jax.process_index()}_s{step}.npy", local)
     np.save(out / f"p{jax.process_index()}_rows.npy", np.array([rows.start, rows.stop]))

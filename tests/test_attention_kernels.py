@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import run_training
+
 from kernels.chunked_attention import chunked_attention_with_lse
 from kernels.flash_attention import BlockSizes, attention_reference, flash_attention_with_lse
 from models import attention
@@ -19,7 +19,9 @@ IMPLS = {
     "flash": lambda q, k, v, **kw: flash_attention_with_lse(q, k, v, block_sizes=BLOCKS, **kw),
     "chunked": lambda q, k, v, **kw: chunked_attention_with_lse(q, k, v, chunk=16, **kw),
 }
-FP32 = [(c, g, s, 40) for c, g, s in itertools.product([True, False], [1, 2, 4], [False, True])] + [(True, 2, True, 32)]
+FP32 = [(c, g, s, 40) for c, g, s in itertools.product([True, False], [1, 2, 4], [False, True])] + [
+    (True, 2, True, 32)
+]
 BF16 = [(True, 2, False, 40), (False, 4, True, 40)]
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -47,6 +49,7 @@ def check(impl, causal, groups, with_segments, T, dtype):
         def f(q, k, v):
             o, lse = fn(q, k, v, causal=causal, segment_ids_BT=seg)
             return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(lse * w_l)
+
         return f
 
     # The reference runs in fp32 on the same (already rounded) inputs: it is the exact answer the kernel
@@ -66,13 +69,17 @@ def check(impl, causal, groups, with_segments, T, dtype):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("causal,groups,segments,T", FP32, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in FP32])
+@pytest.mark.parametrize(
+    "causal,groups,segments,T", FP32, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in FP32]
+)
 def test_fp32_matches_reference(impl, causal, groups, segments, T):
     check(impl, causal, groups, segments, T, jnp.float32)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("causal,groups,segments,T", BF16, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in BF16])
+@pytest.mark.parametrize(
+    "causal,groups,segments,T", BF16, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in BF16]
+)
 def test_bf16_matches_reference(impl, causal, groups, segments, T):
     check(impl, causal, groups, segments, T, jnp.bfloat16)
 
@@ -110,7 +117,9 @@ def test_chunked_train_step_memory_grows_linearly(devices):
     from spmd.train import build_trainer
 
     def temp_bytes(impl, T):
-        cfg = load_config("tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"])
+        cfg = load_config(
+            "tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]
+        )
         plan = sharding_lib.plan(cfg.model, build_mesh("", devices=jax.devices()[:1]), load_rules("dp"), 1, T)
         trainer = build_trainer(cfg, plan)
         batch = trainer.abstract_batch(1, T)

@@ -18,7 +18,9 @@ from spmd.train import build_trainer
 
 def setup(cfg, mesh_spec, rules, n_devices):
     mesh = build_mesh(mesh_spec, devices=jax.devices()[:n_devices])
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules(rules), cfg.train.global_batch_size, cfg.train.seq_len)
+    plan = sharding_lib.plan(
+        cfg.model, mesh, load_rules(rules), cfg.train.global_batch_size, cfg.train.seq_len
+    )
     return build_trainer(cfg, plan), make_batches(cfg, plan.batch_sharding)
 
 
@@ -32,8 +34,15 @@ def train(trainer, batches, state, steps):
 
 def save(tmp_path, state, step, batches):
     writer = ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig())
-    writer.save(step, jax.tree.map(lambda x: x, state), {"step": step, "consumed_samples": batches.consumed_samples(step),
-                                                         "global_batch_size": batches.global_batch_size})
+    writer.save(
+        step,
+        jax.tree.map(lambda x: x, state),
+        {
+            "step": step,
+            "consumed_samples": batches.consumed_samples(step),
+            "global_batch_size": batches.global_batch_size,
+        },
+    )
     writer.close()
 
 
@@ -44,7 +53,9 @@ MOVES = [  # (mesh A, rules A, devices A) -> (mesh B, rules B, devices B)
 ]
 
 
-@pytest.mark.parametrize("a,b", MOVES, ids=[f"{a[0] or 'one'}-{a[1]}->{b[0] or 'one'}-{b[1]}" for a, b in MOVES])
+@pytest.mark.parametrize(
+    "a,b", MOVES, ids=[f"{a[0] or 'one'}-{a[1]}->{b[0] or 'one'}-{b[1]}" for a, b in MOVES]
+)
 def test_reshard_on_restore(tiny_cfg, devices, tmp_path, a, b):
     trainer_a, batches_a = setup(tiny_cfg, *a)
     state, _ = train(trainer_a, batches_a, trainer_a.init_state(), range(3))
@@ -55,7 +66,9 @@ def test_reshard_on_restore(tiny_cfg, devices, tmp_path, a, b):
     trainer_b, batches_b = setup(tiny_cfg, *b)
     restored, meta = ckpt.restore(tmp_path / ckpt.SUBDIR, 3, trainer_b.abstract_state)
     assert meta["consumed_samples"] == 24
-    for x, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(trainer_b.state_shardings)):
+    for x, want, sharding in zip(
+        jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(trainer_b.state_shardings)
+    ):
         np.testing.assert_array_equal(np.asarray(x), want)
         assert x.sharding.is_equivalent_to(sharding, x.ndim)
         assert len(x.sharding.device_set) == b[2]
@@ -68,7 +81,9 @@ def test_shape_mismatch_names_the_parameter(tiny_cfg, devices, tmp_path):
     save(tmp_path, trainer.init_state(), 0, batches)
     other = load_config("tiny", ["model.d_ff=128"])
     trainer_b, _ = setup(other, "fsdp=8", "fsdp", 8)
-    with pytest.raises(UserError, match=r"layers/mlp/w_down_FD has shape \(2, 192, 64\) but this config needs \(2, 128, 64\)"):
+    with pytest.raises(
+        UserError, match=r"layers/mlp/w_down_FD has shape \(2, 192, 64\) but this config needs \(2, 128, 64\)"
+    ):
         ckpt.restore(tmp_path / ckpt.SUBDIR, 0, trainer_b.abstract_state)
 
 
@@ -76,7 +91,9 @@ def test_locate_errors(tmp_path):
     with pytest.raises(UserError, match="not found"):
         ckpt.locate(str(tmp_path / "nope"))
     (tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-123").mkdir(parents=True)
-    with pytest.raises(UserError, match=r"no committed checkpoint .*only uncommitted: 7.orbax-checkpoint-tmp-123"):
+    with pytest.raises(
+        UserError, match=r"no committed checkpoint .*only uncommitted: 7.orbax-checkpoint-tmp-123"
+    ):
         ckpt.locate(str(tmp_path))
     with pytest.raises(UserError, match="never committed"):
         ckpt.locate(str(tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-123"))
@@ -95,7 +112,9 @@ def test_changed_global_batch_continues_the_sample_stream(tiny_cfg, devices, tmp
     args = types.SimpleNamespace(resume_from=str(tmp_path), overwrite=False)
     restored, step, warnings = _initial_state(args, big, trainer16, batches16, tmp_path / "elsewhere")
     assert step == 4 and int(restored["step"]) == 4
-    np.testing.assert_array_equal(batches16.global_numpy_batch(4),
-                                  np.concatenate([batches.global_numpy_batch(4), batches.global_numpy_batch(5)]))
+    np.testing.assert_array_equal(
+        batches16.global_numpy_batch(4),
+        np.concatenate([batches.global_numpy_batch(4), batches.global_numpy_batch(5)]),
+    )
     assert batches16.consumed_samples(5) == 32 + 16
     assert any("global batch size changed from 8 to 16" in w for w in warnings)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_dryrun import report
 
 from kernels import ring_attention as ring
 from kernels.flash_attention import attention_reference
@@ -17,7 +18,6 @@ from spmd.config import AttentionConfig
 from spmd.logical import activation_sharding
 from spmd.mesh import build_mesh
 from spmd.rules import load_rules
-from test_dryrun import report
 
 MODES = {"ring": "cp_ring", "ulysses": "cp_ulysses", "allgather": "allgather"}
 
@@ -40,9 +40,15 @@ def sharded_attention(mode, n, devices, causal, seg, layout=None):
         perm = np.arange(T) if perm is None else perm
         pos = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), q.shape[:2])
         with activation_sharding(rules, mesh):
-            out = context.context_attention(q[:, perm], k[:, perm], v[:, perm], pos,
-                                            None if seg is None else seg[:, perm], causal=causal,
-                                            local_impl=xla_attention)
+            out = context.context_attention(
+                q[:, perm],
+                k[:, perm],
+                v[:, perm],
+                pos,
+                None if seg is None else seg[:, perm],
+                causal=causal,
+                local_impl=xla_attention,
+            )
         return out[:, np.argsort(perm)]
 
     return jax.jit(f)
@@ -57,7 +63,11 @@ def test_forward_and_gradients_equal_one_device(devices, mode, n):
         q = jnp.asarray(rng.normal(size=(B, T, K * G, H)), jnp.float32)
         k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
         do = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-        seg = jnp.asarray(np.sort(rng.integers(0, 4, size=(B, T)), axis=1), jnp.int32) if with_segments else None
+        seg = (
+            jnp.asarray(np.sort(rng.integers(0, 4, size=(B, T)), axis=1), jnp.int32)
+            if with_segments
+            else None
+        )
 
         def ref(q, k, v):
             return attention_reference(q, k, v, causal=causal, segment_ids_BT=seg)[0]
@@ -87,15 +97,29 @@ def test_ring_with_pallas_blocks_equals_one_device(devices, n, causal, with_segm
 
     def f(q, k, v):
         def local(q, k, v, pos, *seg):
-            return ring.ring_flash_attention(q, k, v, pos, seg[0] if seg else None, axis_name="context", axis_size=n,
-                                             causal=causal, sub_chunks=2, block_sizes=BlockSizes(16, 16, 16, 16))
+            return ring.ring_flash_attention(
+                q,
+                k,
+                v,
+                pos,
+                seg[0] if seg else None,
+                axis_name="context",
+                axis_size=n,
+                causal=causal,
+                sub_chunks=2,
+                block_sizes=BlockSizes(16, 16, 16, 16),
+            )
+
         spec = jax.sharding.PartitionSpec(None, "context")
         args = (q[:, perm], k[:, perm], v[:, perm], pos) + (() if seg is None else (seg[:, perm],))
-        out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(
+            *args
+        )
         return out[:, np.argsort(perm)]
 
-    out_ref, vjp_ref = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids_BT=seg)[0],
-                               q, k, v)
+    out_ref, vjp_ref = jax.vjp(
+        lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids_BT=seg)[0], q, k, v
+    )
     out, vjp = jax.vjp(jax.jit(f), q, k, v)
     assert rel_err(out, out_ref) <= 1e-5
     for name, g, g_ref in zip(("dq", "dk", "dv"), vjp(do), vjp_ref(do)):
@@ -108,7 +132,9 @@ def test_striped_and_contiguous_layouts_are_exact_too(devices):
     k, v = (jnp.asarray(rng.normal(size=(1, 32, 2, 8)), jnp.float32) for _ in range(2))
     ref = attention_reference(q, k, v, causal=True)[0]
     for layout in ("striped", "contiguous"):
-        assert rel_err(sharded_attention("ring", 4, devices, True, None, layout)(q, k, v), ref) <= 1e-5, layout
+        assert rel_err(sharded_attention("ring", 4, devices, True, None, layout)(q, k, v), ref) <= 1e-5, (
+            layout
+        )
 
 
 def test_zigzag_balances_causal_work():
@@ -120,8 +146,12 @@ def test_zigzag_balances_causal_work():
         assert contiguous == [4 * i + 3 for i in range(n)]
         assert sum(zigzag) < sum(contiguous) + n  # balance costs no extra work: the same triangle
     # The ring really skips: its compiled forward branches on the skip test.
-    text = sharded_attention("ring", 4, jax.devices(), True, None).lower(
-        *(jnp.zeros((1, 32, 2, 8)),) * 3).compile().as_text()
+    text = (
+        sharded_attention("ring", 4, jax.devices(), True, None)
+        .lower(*(jnp.zeros((1, 32, 2, 8)),) * 3)
+        .compile()
+        .as_text()
+    )
     assert "conditional" in text
 
 
@@ -131,7 +161,9 @@ def _hlo(mesh, rules, *sets):
     from spmd.train import build_trainer
 
     cfg = load_config("tiny", list(sets))
-    plan = sharding_lib.plan(cfg.model, build_mesh(mesh), load_rules(rules).with_attention(cfg.attention), 8, 64)
+    plan = sharding_lib.plan(
+        cfg.model, build_mesh(mesh), load_rules(rules).with_attention(cfg.attention), 8, 64
+    )
     trainer = build_trainer(cfg, plan)
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch(8, 64)).compile().as_text()
 
@@ -175,10 +207,15 @@ def test_sequence_parallel_gathers_and_scatters_activations(devices):
 
     def activation_reduces(text):
         """Users of each all-reduce over tensor of a (B/data * T, D) projection output."""
-        names = [c.name for c in hlo.collectives(text, mesh)
-                 if c.kind == "all-reduce" and c.axes == ("tensor",) and c.bytes == 128 * 64 * 4]
-        return {n: [u for u in text.splitlines() if re.search(rf"[(,]\s*%?{re.escape(n.lstrip('%'))}[,)]", u)]
-                for n in names}
+        names = [
+            c.name
+            for c in hlo.collectives(text, mesh)
+            if c.kind == "all-reduce" and c.axes == ("tensor",) and c.bytes == 128 * 64 * 4
+        ]
+        return {
+            n: [u for u in text.splitlines() if re.search(rf"[(,]\s*%?{re.escape(n.lstrip('%'))}[,)]", u)]
+            for n in names
+        }
 
     sp_reduces, tp_reduces = activation_reduces(sp), activation_reduces(tp)
     assert sp_reduces and tp_reduces
@@ -194,8 +231,10 @@ def test_errors_name_the_problem(devices):
     from spmd.errors import UserError
 
     cfg = load_config("tiny")  # 4 heads, 2 kv heads, T=64
-    with pytest.raises(UserError, match="ulysses context parallelism over context=4 splits the heads 4 ways "
-                                        "and the kv heads 4 ways"):
+    with pytest.raises(
+        UserError,
+        match="ulysses context parallelism over context=4 splits the heads 4 ways and the kv heads 4 ways",
+    ):
         sharding_lib.plan(cfg.model, build_mesh("data=2,context=4"), load_rules("cp_ulysses"), 8, 64)
     with pytest.raises(UserError, match=r"train.seq_len \(40\) must divide by 16"):
         sharding_lib.plan(cfg.model, build_mesh("context=8"), load_rules("cp_ring"), 8, 40)

@@ -5,9 +5,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from conftest import run_training
 from jax.sharding import NamedSharding, PartitionSpec
 
-from conftest import run_training
 from spmd.config import load_config
 from spmd.data import make_batches, stdlib_corpus
 from spmd.errors import UserError
@@ -58,8 +58,15 @@ def test_text_and_bin_user_data(devices, tmp_path):
     (tmp_path / "t.bin").write_bytes(np.arange(5000, dtype=np.uint32).tobytes())
     with pytest.raises(UserError, match="token id 4999 but model.vocab_size is 256"):
         _batches(load_config("tiny", [f"data.path={tmp_path / 't.bin'}", "data.bin_dtype=uint32"]))
-    cfg = load_config("tiny", [f"data.path={tmp_path / 't.bin'}", "data.bin_dtype=uint32", "model.vocab_size=5000",
-                               "train.seq_len=16"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"data.path={tmp_path / 't.bin'}",
+            "data.bin_dtype=uint32",
+            "model.vocab_size=5000",
+            "train.seq_len=16",
+        ],
+    )
     w = _batches(cfg).global_numpy_batch(0)[0]
     np.testing.assert_array_equal(np.diff(w), 1)
 
@@ -79,18 +86,24 @@ def _one_step_metrics(cfg):
     from spmd.train import build_trainer
 
     mesh = build_mesh("", devices=jax.devices()[:1])
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), cfg.train.global_batch_size, cfg.train.seq_len)
+    plan = sharding_lib.plan(
+        cfg.model, mesh, load_rules("dp"), cfg.train.global_batch_size, cfg.train.seq_len
+    )
     trainer = build_trainer(cfg, plan)
     batch = make_batches(cfg, plan.batch_sharding).train_batch(0)
     state = trainer.init_state()
-    logits = jax.jit(lambda p, x: __import__("flax").nnx.merge(plan.graphdef, p)(x))(state["params"], batch["inputs"])
+    logits = jax.jit(lambda p, x: __import__("flax").nnx.merge(plan.graphdef, p)(x))(
+        state["params"], batch["inputs"]
+    )
     _, metrics = trainer.train_step(state, batch)
     return np.asarray(logits, np.float64), np.asarray(batch["targets"]), jax.device_get(metrics)
 
 
 def test_loss_masking_and_z_loss(devices):
     space = ord(" ")
-    logits, targets, m = _one_step_metrics(load_config("tiny", [f"data.mask_token_id={space}", "train.z_loss=1e-3"]))
+    logits, targets, m = _one_step_metrics(
+        load_config("tiny", [f"data.mask_token_id={space}", "train.z_loss=1e-3"])
+    )
     lse = np.log(np.exp(logits).sum(-1))
     ce = lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
     keep = targets != space

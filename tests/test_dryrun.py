@@ -4,10 +4,10 @@ import json
 import types
 
 import pytest
-
-from spmd import dryrun
 from test_cli import ROOT  # noqa: F401  (path setup shared with the CLI tests)
 from test_inference import run_script
+
+from spmd import dryrun
 
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 192
 MATRICES = 4 * (V * D + D * V + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F))
@@ -19,16 +19,21 @@ def report(mesh, rules, *sets):
     return dryrun.run(args)
 
 
-@pytest.mark.parametrize("mesh,rules,params", [
-    ("data=8", "dp", MATRICES + NORMS),
-    ("fsdp=8", "fsdp", MATRICES // 8 + NORMS),
-    ("data=4,tensor=2", "tp", MATRICES // 2 + NORMS),
-])
+@pytest.mark.parametrize(
+    "mesh,rules,params",
+    [
+        ("data=8", "dp", MATRICES + NORMS),
+        ("fsdp=8", "fsdp", MATRICES // 8 + NORMS),
+        ("data=4,tensor=2", "tp", MATRICES // 2 + NORMS),
+    ],
+)
 def test_param_and_optimizer_bytes_are_exact(devices, mesh, rules, params):
     r = report(mesh, rules)
     got = r["per_device_bytes"]
     assert got["params"] == params and got["gradients"] == params
-    assert got["optimizer_state"] == 2 * params + 8  # Adam mu and nu, plus two int32 step counts (Adam, schedule)
+    assert (
+        got["optimizer_state"] == 2 * params + 8
+    )  # Adam mu and nu, plus two int32 step counts (Adam, schedule)
     assert got["arguments"] >= params + 2 * params  # the compiled step really takes them as inputs
 
 
@@ -40,7 +45,10 @@ def test_collectives_have_the_expected_kinds_and_scale_with_depth(devices):
     fsdp2, fsdp4 = _counts(report("fsdp=8", "fsdp")), _counts(report("fsdp=8", "fsdp", "model.n_layers=4"))
     assert fsdp2[("all-gather", ("fsdp",))] > 0
     assert fsdp4[("all-gather", ("fsdp",))] > fsdp2[("all-gather", ("fsdp",))]
-    tp2, tp4 = _counts(report("data=4,tensor=2", "tp")), _counts(report("data=4,tensor=2", "tp", "model.n_layers=4"))
+    tp2, tp4 = (
+        _counts(report("data=4,tensor=2", "tp")),
+        _counts(report("data=4,tensor=2", "tp", "model.n_layers=4")),
+    )
     assert tp2[("all-reduce", ("tensor",))] > 0 and ("all-reduce", ("data",)) in tp2
     assert tp4[("all-reduce", ("tensor",))] > tp2[("all-reduce", ("tensor",))]
     dp = report("data=8", "dp")
@@ -61,10 +69,14 @@ def test_context_parallel_traffic_matches_the_analytic_minimum(devices):
     gather = report("context=8", "allgather")
     # The load-balance permutation all-gathers the int32 token ids (2 x B x T x 4 bytes x 7/8): not in the model.
     tokens = 2 * 8 * 64 * 4 * 7 / 8
-    sent = _volume(gather, "all-gather", ("context",)) - tokens + _volume(gather, "reduce-scatter", ("context",))
+    sent = (
+        _volume(gather, "all-gather", ("context",)) - tokens + _volume(gather, "reduce-scatter", ("context",))
+    )
     assert sent == gather["analytic_minimum_bytes"]["context"] > 0
     for r in (ring, gather):
-        assert _volume(r, "all-reduce", ("context",)) == pytest.approx(r["analytic_minimum_bytes"]["data"], rel=1e-4)
+        assert _volume(r, "all-reduce", ("context",)) == pytest.approx(
+            r["analytic_minimum_bytes"]["data"], rel=1e-4
+        )
 
 
 def test_cli_json_and_errors(tmp_path):

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_cli import ROOT, spmd_train
 
 from models.llama import KVCache, ModelConfig
 from spmd.sharding import abstract_model, init_params
-from test_cli import ROOT, spmd_train
 
 CFG = ModelConfig(dtype="float32")
 
@@ -30,7 +30,7 @@ def test_kv_cache_decoding_equals_the_full_forward_pass():
     logits, cache = model(tokens[:, :prefill], cache=cache)
     pieces = [logits]
     for t in range(prefill, 20):
-        logits, cache = model(tokens[:, t:t + 1], positions_BT=jnp.full((3, 1), t), cache=cache)
+        logits, cache = model(tokens[:, t : t + 1], positions_BT=jnp.full((3, 1), t), cache=cache)
         pieces.append(logits)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
 
@@ -50,33 +50,80 @@ def test_left_padding_does_not_change_a_prompt(devices):
 
 def run_script(name, *args):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("infer") / "run"
-    result = spmd_train("--config", "tiny", "--mesh", "fsdp=4,tensor=2", "--rules", "fsdp_tp", "--host-devices", "8",
-                        "--steps", "20", "--eval-every", "10", "--checkpoint-every", "10", "--run-dir", str(run_dir))
+    result = spmd_train(
+        "--config",
+        "tiny",
+        "--mesh",
+        "fsdp=4,tensor=2",
+        "--rules",
+        "fsdp_tp",
+        "--host-devices",
+        "8",
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--checkpoint-every",
+        "10",
+        "--run-dir",
+        str(run_dir),
+    )
     assert result.returncode == 0, result.stderr
     return run_dir
 
 
 def test_eval_equals_the_logged_eval_loss(run):
-    logged = {r["step"]: r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if "eval_loss" in r}
+    logged = {
+        r["step"]: r["eval_loss"]
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "eval_loss" in r
+    }
     for step in (10, 20):
-        result = run_script("eval", "--run-dir", str(run), "--step", str(step), "--host-devices", "8",
-                            "--mesh", "fsdp=4,tensor=2", "--json")
+        result = run_script(
+            "eval",
+            "--run-dir",
+            str(run),
+            "--step",
+            str(step),
+            "--host-devices",
+            "8",
+            "--mesh",
+            "fsdp=4,tensor=2",
+            "--json",
+        )
         assert result.returncode == 0, result.stderr
         got = json.loads(result.stdout)
         assert got["step"] == step
         np.testing.assert_allclose(got["loss"], logged[step], rtol=1e-6)
         np.testing.assert_allclose(got["bits_per_byte"], logged[step] / np.log(2), rtol=1e-6)
     # On another mesh the reduction order changes, the value does not (beyond fp32 rounding).
-    other = json.loads(run_script("eval", "--run-dir", str(run), "--host-devices", "2", "--mesh", "data=2",
-                                  "--rules", "dp", "--json").stdout)
+    other = json.loads(
+        run_script(
+            "eval",
+            "--run-dir",
+            str(run),
+            "--host-devices",
+            "2",
+            "--mesh",
+            "data=2",
+            "--rules",
+            "dp",
+            "--json",
+        ).stdout
+    )
     np.testing.assert_allclose(other["loss"], logged[20], rtol=1e-5)
 
 
@@ -88,7 +135,9 @@ def test_greedy_is_deterministic_and_mesh_independent(run):
     fsdp = run_script("sample", *base, "--host-devices", "8", "--mesh", "fsdp=8")  # batch 1 padded to 8
     # Sequence-parallel rules decode too: one position per step, so the context axis splits the batch
     # and Megatron SP's tensor axis only splits heads and MLP.
-    context = run_script("sample", *base, "--host-devices", "8", "--mesh", "fsdp=2,context=4", "--rules", "cp_ring")
+    context = run_script(
+        "sample", *base, "--host-devices", "8", "--mesh", "fsdp=2,context=4", "--rules", "cp_ring"
+    )
     sp = run_script("sample", *base, "--host-devices", "2", "--mesh", "tensor=2", "--rules", "tp_sp")
     for r in (one, tensor, fsdp, context, sp):
         assert r.returncode == 0, r.stderr
@@ -98,8 +147,22 @@ def test_greedy_is_deterministic_and_mesh_independent(run):
 
 def test_sampling_is_reproducible_with_a_seed_and_batches_prompts(run, tmp_path):
     (tmp_path / "prompts.txt").write_text("import \nclass A:\n")
-    base = ["--run-dir", str(run), "--prompts-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "16",
-            "--temperature", "0.8", "--top-k", "40", "--host-devices", "1", "--mesh", ""]
+    base = [
+        "--run-dir",
+        str(run),
+        "--prompts-file",
+        str(tmp_path / "prompts.txt"),
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--host-devices",
+        "1",
+        "--mesh",
+        "",
+    ]
     a, b = run_script("sample", *base, "--seed", "1"), run_script("sample", *base, "--seed", "1")
     c = run_script("sample", *base, "--seed", "2")
     assert a.returncode == 0, a.stderr
@@ -107,12 +170,15 @@ def test_sampling_is_reproducible_with_a_seed_and_batches_prompts(run, tmp_path)
     assert a.stdout.count("=== sample") == 2 and "import " in a.stdout and "class A:" in a.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--run-dir", "{tmp}/none", "--prompt", "x"], "not found"),
-    (["--run-dir", "{run}", "--prompt", "x" * 65], "longer than the model's context of 64 tokens"),
-    (["--run-dir", "{run}", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
-    (["--run-dir", "{run}", "--prompt", "x", "--step", "7"], "no committed checkpoint for step 7"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--run-dir", "{tmp}/none", "--prompt", "x"], "not found"),
+        (["--run-dir", "{run}", "--prompt", "x" * 65], "longer than the model's context of 64 tokens"),
+        (["--run-dir", "{run}", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--run-dir", "{run}", "--prompt", "x", "--step", "7"], "no committed checkpoint for step 7"),
+    ],
+)
 def test_sample_errors(run, tmp_path, args, message):
     args = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(run)) for a in args]
     result = run_script("sample", *args)

@@ -16,16 +16,19 @@ def test_mesh_fill_and_defaults(devices):
     assert dict(build_mesh("", devices=devices[:1]).shape) == dict.fromkeys(MESH_AXES, 1)
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("data=4", "has 4 devices but 8 are available"),
-    ("dta=8", "unknown mesh axis 'dta' in --mesh (did you mean 'data'?)"),
-    ("data=-1,fsdp=-1", "at most one --mesh axis may be -1"),
-    ("data=3,fsdp=-1", "cannot fill 'fsdp'"),
-    ("data", "must look like AXIS=SIZE"),
-    ("data=x", "must be an integer"),
-    ("data=0", "must be positive or -1"),
-    ("data=2,data=4", "appears twice"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("data=4", "has 4 devices but 8 are available"),
+        ("dta=8", "unknown mesh axis 'dta' in --mesh (did you mean 'data'?)"),
+        ("data=-1,fsdp=-1", "at most one --mesh axis may be -1"),
+        ("data=3,fsdp=-1", "cannot fill 'fsdp'"),
+        ("data", "must look like AXIS=SIZE"),
+        ("data=x", "must be an integer"),
+        ("data=0", "must be positive or -1"),
+        ("data=2,data=4", "appears twice"),
+    ],
+)
 def test_bad_mesh(devices, spec, message):
     with pytest.raises(UserError, match=None) as e:
         build_mesh(spec)
@@ -81,7 +84,9 @@ def test_validate_names_duplicates_and_divisibility():
         validate(rules, {"w": ("embed", "mystery")}, sizes)
     with pytest.raises(UserError, match="use mesh axis 'fsdp' twice for w"):
         validate(rules, {"w": ("embed", "batch")}, sizes)
-    with pytest.raises(UserError, match=r"w: dimension 1 \(mlp, size 6\) does not divide by mesh axes tensor=4 = 4"):
+    with pytest.raises(
+        UserError, match=r"w: dimension 1 \(mlp, size 6\) does not divide by mesh axes tensor=4 = 4"
+    ):
         validate(rules, {"w": ("embed", "mlp")}, sizes, {"w": (8, 6)})
     validate(rules, {"w": ("embed", "mlp")}, sizes, {"w": (8, 12)})
 
@@ -106,6 +111,6 @@ def test_config_file_type_errors(tmp_path):
     path.write_text('[train]\nsteps = "many"\n')
     with pytest.raises(UserError, match="train.steps must be an integer"):
         load_config(str(path))
-    path.write_text('[optim]\nlr = 1\n')
+    path.write_text("[optim]\nlr = 1\n")
     with pytest.raises(UserError, match="unknown section 'optim'"):
         load_config(str(path))

@@ -94,5 +94,9 @@ def test_flops_per_token_formula():
 def test_scan_unroll_changes_nothing_numerically():
     params = jax.jit(lambda: init_params(CFG, 0))()
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
-    np.testing.assert_allclose(apply(CFG, params, tokens), apply(dataclasses.replace(CFG, scan_unroll=2), params, tokens),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        apply(CFG, params, tokens),
+        apply(dataclasses.replace(CFG, scan_unroll=2), params, tokens),
+        rtol=1e-5,
+        atol=1e-6,
+    )

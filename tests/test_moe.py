@@ -9,25 +9,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_training
 from flax import nnx
 
-from conftest import run_training
 from models.llama import Decoder, count_params
 from models.moe import MoE, dispatch_masks, route
-from spmd.config import load_config
 from spmd import dryrun
+from spmd.config import load_config
 
-LOGITS = np.array([[[2.0, 1.0, 0.0, -1.0],   # token 0: experts 0, 1
-                    [0.0, 3.0, 1.0, 0.0],    # token 1: experts 1, 2
-                    [0.0, 2.0, 0.0, 1.0]]])  # token 2: experts 1, 3
+LOGITS = np.array(
+    [
+        [
+            [2.0, 1.0, 0.0, -1.0],  # token 0: experts 0, 1
+            [0.0, 3.0, 1.0, 0.0],  # token 1: experts 1, 2
+            [0.0, 2.0, 0.0, 1.0],
+        ]
+    ]
+)  # token 2: experts 1, 3
 
 
 def test_router_top_k_weights_and_losses_by_hand():
     r = route(jnp.asarray(LOGITS), top_k=2)
     np.testing.assert_array_equal(r.experts_BTk[0], [[0, 1], [1, 2], [1, 3]])
     e, e2, e3 = np.e, np.e**2, np.e**3
-    np.testing.assert_allclose(r.weights_BTk[0], [[e2 / (e2 + e), e / (e2 + e)], [e3 / (e3 + e), e / (e3 + e)],
-                                                  [e2 / (e2 + e), e / (e2 + e)]], rtol=1e-6)
+    np.testing.assert_allclose(
+        r.weights_BTk[0],
+        [[e2 / (e2 + e), e / (e2 + e)], [e3 / (e3 + e), e / (e3 + e)], [e2 / (e2 + e), e / (e2 + e)]],
+        rtol=1e-6,
+    )
     probs = np.exp(LOGITS[0]) / np.exp(LOGITS[0]).sum(-1, keepdims=True)
     f = np.array([1, 3, 1, 1]) / 6  # share of the 6 token-choices each expert got
     np.testing.assert_allclose(r.aux_loss, 4 * np.sum(f * probs.mean(0)), rtol=1e-6)
@@ -68,7 +77,9 @@ def test_capacity_without_drops_equals_dropless():
             out, stats = nnx.merge(graphdef, params)(x)
             return jnp.sum(out * jnp.cos(out)), (out, stats)
 
-        (_, (outs[dispatch], stats)), (grads[dispatch], dx) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
+        (_, (outs[dispatch], stats)), (grads[dispatch], dx) = jax.value_and_grad(
+            f, argnums=(0, 1), has_aux=True
+        )(params, x)
         grads[dispatch] = (grads[dispatch], dx)
         assert float(stats.dropped) == 0
     np.testing.assert_allclose(outs["capacity"], outs["dropless"], rtol=1e-5, atol=1e-6)
@@ -79,18 +90,24 @@ def test_capacity_without_drops_equals_dropless():
 @pytest.fixture(scope="module")
 def moe_reference():
     """10 steps of tiny-moe on one device, for each dispatch path."""
-    return {d: run_training(load_config("tiny-moe", [f"model.moe_dispatch={d}"]), "", "dp", 10,
-                            devices=jax.devices()[:1]) for d in ("capacity", "dropless")}
+    return {
+        d: run_training(
+            load_config("tiny-moe", [f"model.moe_dispatch={d}"]), "", "dp", 10, devices=jax.devices()[:1]
+        )
+        for d in ("capacity", "dropless")
+    }
 
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
-@pytest.mark.parametrize("rules,mesh", [("ep", "expert=4"), ("fsdp_ep", "fsdp=2,expert=4"),
-                                        ("ep", "data=2,expert=2,tensor=2")])
+@pytest.mark.parametrize(
+    "rules,mesh", [("ep", "expert=4"), ("fsdp_ep", "fsdp=2,expert=4"), ("ep", "data=2,expert=2,tensor=2")]
+)
 def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rules, mesh):
     ref_losses, ref_params, _ = moe_reference[dispatch]
     n = 4 if mesh == "expert=4" else 8
-    losses, params, trainer = run_training(load_config("tiny-moe", [f"model.moe_dispatch={dispatch}"]), mesh, rules, 10,
-                                           devices=devices[:n])
+    losses, params, trainer = run_training(
+        load_config("tiny-moe", [f"model.moe_dispatch={dispatch}"]), mesh, rules, 10, devices=devices[:n]
+    )
     assert losses[-1] < losses[0] - 0.5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
@@ -99,8 +116,13 @@ def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rul
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_expert_parallel_exchanges_tokens_with_all_to_all(devices, dispatch):
-    args = types.SimpleNamespace(config="tiny-moe", mesh="data=2,expert=4", rules="ep",
-                                 set=[f"model.moe_dispatch={dispatch}"], list=False)
+    args = types.SimpleNamespace(
+        config="tiny-moe",
+        mesh="data=2,expert=4",
+        rules="ep",
+        set=[f"model.moe_dispatch={dispatch}"],
+        list=False,
+    )
     counts = {(c["kind"], tuple(c["axes"])): c["count"] for c in dryrun.run(args)["collectives"]}
     assert counts.get(("all-to-all", ("expert",)), 0) >= 2, counts  # out to the experts and back
 
@@ -109,14 +131,18 @@ def test_moe_metrics_and_parameter_count(devices, moe_reference):
     _, params, trainer = moe_reference["capacity"]
     cfg = trainer.cfg
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg.model)
-    assert set(params["moe_layers"]) and params["layers"]["mlp"]["w_gate_DF"].shape[0] == 1  # 1 dense + 1 MoE layer
+    assert (
+        set(params["moe_layers"]) and params["layers"]["mlp"]["w_gate_DF"].shape[0] == 1
+    )  # 1 dense + 1 MoE layer
     state = trainer.init_state()
     from spmd.data import make_batches
 
     _, m = trainer.train_step(state, make_batches(cfg, trainer.plan.batch_sharding).train_batch(0))
     m = jax.device_get(m)
     choices = cfg.train.global_batch_size * cfg.train.seq_len * cfg.model.top_k
-    assert 0 <= m["moe_dropped_fraction"] < 1 and m["moe_aux_loss"] >= 1.0 - 1e-3  # E * sum f P >= 1 (balanced: 1)
+    assert (
+        0 <= m["moe_dropped_fraction"] < 1 and m["moe_aux_loss"] >= 1.0 - 1e-3
+    )  # E * sum f P >= 1 (balanced: 1)
     assert 0 <= m["moe_expert_load_min"] <= choices / 8 <= m["moe_expert_load_max"] <= choices
     assert m["moe_router_z_loss"] > 0
 
@@ -144,14 +170,18 @@ def test_errors(devices):
     with pytest.raises(UserError, match=r"model.top_k \(9\) must be between 1 and model.n_experts \(8\)"):
         load_config("tiny-moe", ["model.top_k=9"])
     cfg = load_config("tiny-moe", ["model.n_experts=6"])
-    with pytest.raises(UserError, match=r"model.n_experts \(6\) does not divide by the expert mesh axes expert=4"):
+    with pytest.raises(
+        UserError, match=r"model.n_experts \(6\) does not divide by the expert mesh axes expert=4"
+    ):
         sharding_lib.plan(cfg.model, build_mesh("data=2,expert=4"), load_rules("ep"), 8, 64)
 
 
 def test_decoder_with_moe_decodes_like_full_forward():
     from models.llama import KVCache
 
-    cfg = dataclasses.replace(load_config("tiny-moe").model, capacity_factor=4.0)  # nothing drops: 1 token at a time
+    cfg = dataclasses.replace(
+        load_config("tiny-moe").model, capacity_factor=4.0
+    )  # nothing drops: 1 token at a time
     with nnx.use_eager_sharding(False):
         model = Decoder(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(1, 12)))
@@ -160,6 +190,6 @@ def test_decoder_with_moe_decodes_like_full_forward():
     logits, cache = model(tokens[:, :8], jnp.arange(8)[None], cache)
     steps = [logits]
     for t in range(8, 12):
-        logits, cache = model(tokens[:, t:t + 1], jnp.full((1, 1), t), cache)
+        logits, cache = model(tokens[:, t : t + 1], jnp.full((1, 1), t), cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-5)

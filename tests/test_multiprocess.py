@@ -10,15 +10,26 @@ import time
 
 import numpy as np
 import pytest
+from test_cli import ROOT, spmd_train
 
 from spmd import checkpoint as ckpt
 from spmd.launch import free_port
-from test_cli import ROOT, spmd_train
 
 pytestmark = pytest.mark.slow
 # The schedule is fixed at 12 steps so that a run stopped at step 4 or 8 uses the same learning rates.
-TRAIN = [str(ROOT / "scripts" / "train.py"), "--config", "tiny", "--rules", "fsdp_tp", "--log-every", "1",
-         "--eval-every", "4", "--set", "train.schedule_steps=12"]
+TRAIN = [
+    str(ROOT / "scripts" / "train.py"),
+    "--config",
+    "tiny",
+    "--rules",
+    "fsdp_tp",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "4",
+    "--set",
+    "train.schedule_steps=12",
+]
 
 
 def env():
@@ -26,8 +37,18 @@ def env():
 
 
 def launch(processes, devices, *args, port=None, wait=True):
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", str(processes), "--host-devices",
-           str(devices)] + (["--port", str(port)] if port else []) + ["--", sys.executable, *TRAIN, *args]
+    cmd = (
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "launch.py"),
+            "--processes",
+            str(processes),
+            "--host-devices",
+            str(devices),
+        ]
+        + (["--port", str(port)] if port else [])
+        + ["--", sys.executable, *TRAIN, *args]
+    )
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
@@ -49,14 +70,26 @@ def assert_close(a, b):
 def reference(tmp_path_factory):
     """1 process x 8 devices, 12 steps: what every multi-process layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("mp") / "ref"
-    result = spmd_train(*TRAIN[1:], "--mesh", "data=2,fsdp=2,tensor=2", "--host-devices", "8", "--steps", "12",
-                        "--run-dir", str(run_dir))
+    result = spmd_train(
+        *TRAIN[1:],
+        "--mesh",
+        "data=2,fsdp=2,tensor=2",
+        "--host-devices",
+        "8",
+        "--steps",
+        "12",
+        "--run-dir",
+        str(run_dir),
+    )
     assert result.returncode == 0, result.stderr
     return records(run_dir)
 
 
-@pytest.mark.parametrize("mesh", [["--mesh", "data=2,fsdp=2,tensor=2"], ["--dcn-mesh", "data=2", "--mesh", "fsdp=2,tensor=2"]],
-                         ids=["global-mesh", "hybrid-dcn-mesh"])
+@pytest.mark.parametrize(
+    "mesh",
+    [["--mesh", "data=2,fsdp=2,tensor=2"], ["--dcn-mesh", "data=2", "--mesh", "fsdp=2,tensor=2"]],
+    ids=["global-mesh", "hybrid-dcn-mesh"],
+)
 def test_two_processes_match_one(reference, tmp_path, mesh):
     result = launch(2, 4, *mesh, "--steps", "12", "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -85,15 +118,30 @@ def _pid_of(port, process_id):
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if f"SPMD_COORDINATOR=127.0.0.1:{port}".encode() in environ and f"SPMD_PROCESS_ID={process_id}".encode() in environ:
+        if (
+            f"SPMD_COORDINATOR=127.0.0.1:{port}".encode() in environ
+            and f"SPMD_PROCESS_ID={process_id}".encode() in environ
+        ):
             return int(pid)
     return None
 
 
 def test_killing_one_process_stops_the_job_and_a_relaunch_resumes(tmp_path):
     run_dir, port = tmp_path / "run", free_port()
-    proc = launch(2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", "100000", "--checkpoint-every", "3",
-                  "--run-dir", str(run_dir), port=port, wait=False)
+    proc = launch(
+        2,
+        4,
+        "--mesh",
+        "fsdp=4,tensor=2",
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        port=port,
+        wait=False,
+    )
     deadline = time.time() + 300
     while 6 not in ckpt.committed_steps(run_dir / "checkpoints"):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
@@ -105,8 +153,17 @@ def test_killing_one_process_stops_the_job_and_a_relaunch_resumes(tmp_path):
     assert time.time() - killed < 60, "the launcher must notice a dead process promptly"
     assert "process 1 exited with -9" in stderr
     last = ckpt.committed_steps(run_dir / "checkpoints")[-1]
-    verify = subprocess.run([sys.executable, str(ROOT / "scripts" / "ckpt.py"), "verify", str(run_dir / "checkpoints" / str(last))],
-                            capture_output=True, text=True, env=env())
+    verify = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "ckpt.py"),
+            "verify",
+            str(run_dir / "checkpoints" / str(last)),
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
     assert verify.returncode == 0, verify.stderr
     again = launch(2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", str(last + 2), "--run-dir", str(run_dir))
     assert again.returncode == 0, again.stderr[-3000:]
@@ -115,22 +172,57 @@ def test_killing_one_process_stops_the_job_and_a_relaunch_resumes(tmp_path):
 
 def test_unreachable_coordinator_and_bad_process_id(tmp_path):
     t = time.time()
-    result = spmd_train("--config", "tiny", "--host-devices", "4", "--coordinator", f"127.0.0.1:{free_port()}",
-                        "--num-processes", "2", "--process-id", "1", "--init-timeout", "5", "--run-dir", str(tmp_path / "a"))
+    result = spmd_train(
+        "--config",
+        "tiny",
+        "--host-devices",
+        "4",
+        "--coordinator",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+        "--init-timeout",
+        "5",
+        "--run-dir",
+        str(tmp_path / "a"),
+    )
     assert result.returncode == 2 and time.time() - t < 60
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.stderr.strip() == errors[0]
     assert "could not join the job" in errors[0] and "within 5s" in errors[0]
-    result = spmd_train("--config", "tiny", "--coordinator", "127.0.0.1:1234", "--num-processes", "2",
-                        "--process-id", "2", "--run-dir", str(tmp_path / "b"))
+    result = spmd_train(
+        "--config",
+        "tiny",
+        "--coordinator",
+        "127.0.0.1:1234",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "2",
+        "--run-dir",
+        str(tmp_path / "b"),
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --process-id 2 is out of range for 2 processes (0..1)"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2", "--host-devices", "4", "--",
-           sys.executable, str(ROOT / "tests" / "mp_data_dump.py"), str(tmp_path), "data=2,fsdp=4"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "launch.py"),
+        "--processes",
+        "2",
+        "--host-devices",
+        "4",
+        "--",
+        sys.executable,
+        str(ROOT / "tests" / "mp_data_dump.py"),
+        str(tmp_path),
+        "data=2,fsdp=4",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert result.returncode == 0, result.stderr[-3000:]
     from spmd.config import load_config
@@ -149,7 +241,9 @@ def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch
 
 def test_sigterm_to_the_launcher_saves_a_checkpoint_on_every_process(tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", "100000", "--run-dir", str(run_dir), wait=False)
+    proc = launch(
+        2, 4, "--mesh", "fsdp=4,tensor=2", "--steps", "100000", "--run-dir", str(run_dir), wait=False
+    )
     deadline = time.time() + 300
     while not (run_dir / "metrics.jsonl").exists() or len(records(run_dir)) < 3:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]

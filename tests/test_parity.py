@@ -6,8 +6,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
 from conftest import run_training
+
 from spmd.config import AttentionConfig
 
 LAYOUTS = [

@@ -9,16 +9,33 @@ rewritten as `extends` of a base.
 import json
 import pathlib
 
-import jax
-
 from conftest import run_training
 
 PINNED = {
-    "one device": [5.609000205993652, 5.593022346496582, 5.565330505371094, 5.541919708251953, 5.464084625244141,
-                   5.402177333831787, 5.276096820831299, 5.179218769073486, 5.008785724639893, 4.69998836517334],
-    "fsdp=2,tensor=2": [5.609000205993652, 5.593021392822266, 5.56533145904541, 5.5419206619262695,
-                        5.464085102081299, 5.402176856994629, 5.276095390319824, 5.179219722747803,
-                        5.008784294128418, 4.69998836517334],
+    "one device": [
+        5.609000205993652,
+        5.593022346496582,
+        5.565330505371094,
+        5.541919708251953,
+        5.464084625244141,
+        5.402177333831787,
+        5.276096820831299,
+        5.179218769073486,
+        5.008785724639893,
+        4.69998836517334,
+    ],
+    "fsdp=2,tensor=2": [
+        5.609000205993652,
+        5.593021392822266,
+        5.56533145904541,
+        5.5419206619262695,
+        5.464085102081299,
+        5.402176856994629,
+        5.276095390319824,
+        5.179219722747803,
+        5.008784294128418,
+        4.69998836517334,
+    ],
 }
 GOLDEN_RULES = pathlib.Path(__file__).parent / "golden" / "rules_resolved.json"
 
@@ -40,6 +57,10 @@ def test_every_preset_resolves_to_its_recorded_table():
     assert set(golden) <= set(presets())
     for name, want in golden.items():
         r = load_rules(name)
-        got = {"replicated_params_ok": r.replicated_params_ok, "context_parallel": r.context_parallel,
-               "load_balance": r.load_balance, "rules": {k: list(v) for k, v in sorted(r.mapping.items())}}
+        got = {
+            "replicated_params_ok": r.replicated_params_ok,
+            "context_parallel": r.context_parallel,
+            "load_balance": r.load_balance,
+            "rules": {k: list(v) for k, v in sorted(r.mapping.items())},
+        }
         assert got == want, name

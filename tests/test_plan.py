@@ -1,14 +1,25 @@
 """spmd-plan on a toy budget: tiny on 8 devices with too little memory for data parallelism."""
 
 import pytest
+from test_inference import run_script
 
 from spmd.plan import parse_bytes
-from test_inference import run_script
 
 
 def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
-    r = run_script("plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "3MiB", "--hardware", "cpu",
-                   "--candidates", "9")
+    r = run_script(
+        "plan",
+        "--config",
+        "tiny",
+        "--devices",
+        "8",
+        "--memory-per-device",
+        "3MiB",
+        "--hardware",
+        "cpu",
+        "--candidates",
+        "9",
+    )
     assert r.returncode == 0, r.stderr
     best = [line for line in r.stdout.splitlines() if line.startswith("  1. ")]
     assert best and "needs" in best[0] and "of 3.00 MiB" in best[0]
@@ -20,22 +31,48 @@ def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
 
 
 def test_goes_down_the_ranking_until_enough_fit_once_compiled():
-    args = ["plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "3MiB", "--hardware", "cpu",
-            "--candidates", "2"]
+    args = [
+        "plan",
+        "--config",
+        "tiny",
+        "--devices",
+        "8",
+        "--memory-per-device",
+        "3MiB",
+        "--hardware",
+        "cpu",
+        "--candidates",
+        "2",
+    ]
     r = run_script(*args)
     assert r.returncode == 0, r.stderr
     # Some of the fastest layouts fit by analytic memory (no activations) but not once compiled; they
     # are rejected with the compiled figure and the planner compiles further until two fit.
     compiled_out = [line for line in r.stdout.splitlines() if "compiled step needs" in line]
-    assert compiled_out and all("(arguments + temporaries) > budget 3.00 MiB" in line for line in compiled_out)
+    assert compiled_out and all(
+        "(arguments + temporaries) > budget 3.00 MiB" in line for line in compiled_out
+    )
     assert "  2. --mesh" in r.stdout and "  3. --mesh" not in r.stdout
     capped = run_script(*args, "--max-compiles", "1")
     assert "raise --candidates or --max-compiles" in capped.stdout and "  2. --mesh" not in capped.stdout
 
 
 def test_searches_expert_and_context_axes():
-    r = run_script("plan", "--config", "tiny-moe", "--devices", "8", "--memory-per-device", "1GiB", "--hardware", "cpu",
-                   "--axes", "data,context,expert", "--candidates", "2")
+    r = run_script(
+        "plan",
+        "--config",
+        "tiny-moe",
+        "--devices",
+        "8",
+        "--memory-per-device",
+        "1GiB",
+        "--hardware",
+        "cpu",
+        "--axes",
+        "data,context,expert",
+        "--candidates",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     best = [line for line in lines if line.startswith(("  1. ", "  2. "))]
@@ -44,7 +81,9 @@ def test_searches_expert_and_context_axes():
     assert "--mesh context=8 --rules cp_ulysses: ulysses context parallelism over context=8" in r.stdout
     assert "(6 more fit by analytic memory" in r.stdout  # cp_ring and the rest of ep
     assert not any("fsdp=" in line or "tensor=" in line for line in lines)  # only the axes asked for
-    bad = run_script("plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--axes", "data,pipe")
+    bad = run_script(
+        "plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--axes", "data,pipe"
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: --axes: unknown mesh axis pipe")
 
 
@@ -53,6 +92,8 @@ def test_bad_budget_is_an_error():
     assert r.returncode == 2 and r.stderr.startswith("error: --memory-per-device must look like 80GiB")
 
 
-@pytest.mark.parametrize("text,value", [("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("3MB", 3 * 2**20), ("100", 100)])
+@pytest.mark.parametrize(
+    "text,value", [("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("3MB", 3 * 2**20), ("100", 100)]
+)
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value

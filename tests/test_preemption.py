@@ -9,17 +9,34 @@ import time
 import jax
 import numpy as np
 import pytest
-
-from spmd import checkpoint as ckpt
 from test_cli import ROOT, spmd_train
 
-ARGS = ["--config", "tiny", "--mesh", "fsdp=4,tensor=2", "--rules", "fsdp_tp", "--host-devices", "8",
-        "--log-every", "1", "--eval-every", "0"]
+from spmd import checkpoint as ckpt
+
+ARGS = [
+    "--config",
+    "tiny",
+    "--mesh",
+    "fsdp=4,tensor=2",
+    "--rules",
+    "fsdp_tp",
+    "--host-devices",
+    "8",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+]
 
 
 def start(run_dir, *extra):
-    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *ARGS, "--run-dir", str(run_dir), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), *ARGS, "--run-dir", str(run_dir), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def wait_for(predicate, proc, timeout=120, poll=0.005):
@@ -34,7 +51,9 @@ def wait_for(predicate, proc, timeout=120, poll=0.005):
 
 
 def losses(run_dir):
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [
+        (r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 def final_params(run_dir, step):
@@ -82,7 +101,13 @@ def test_sigkill_in_the_middle_of_a_save_then_resume(uninterrupted, tmp_path):
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         proc = start(run_dir, "--steps", "24", "--checkpoint-every", "1")
-        wait_for(lambda: bool(ckpt.committed_steps(run_dir / ckpt.SUBDIR)) and bool(ckpt.uncommitted(run_dir / ckpt.SUBDIR)), proc)
+        wait_for(
+            lambda: (
+                bool(ckpt.committed_steps(run_dir / ckpt.SUBDIR))
+                and bool(ckpt.uncommitted(run_dir / ckpt.SUBDIR))
+            ),
+            proc,
+        )
         proc.kill()
         proc.wait()
         if ckpt.uncommitted(run_dir / ckpt.SUBDIR):
@@ -128,9 +153,29 @@ def test_second_signal_aborts_without_touching_committed_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     # `small` so that the step and the save after the first signal take long enough to interrupt.
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "small", "--mesh", "fsdp=8", "--host-devices", "8",
-         "--steps", "100000", "--checkpoint-every", "4", "--log-every", "1", "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "--config",
+            "small",
+            "--mesh",
+            "fsdp=8",
+            "--host-devices",
+            "8",
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "4",
+            "--log-every",
+            "1",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     wait_for(lambda: 4 in ckpt.committed_steps(run_dir / ckpt.SUBDIR), proc)
     proc.send_signal(signal.SIGTERM)
     for line in proc.stderr:
@@ -141,7 +186,10 @@ def test_second_signal_aborts_without_touching_committed_checkpoints(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     steps = ckpt.committed_steps(run_dir / ckpt.SUBDIR)
     assert 4 in steps
-    verify = subprocess.run([sys.executable, str(ROOT / "scripts" / "ckpt.py"), "verify", str(run_dir)],
-                            capture_output=True, text=True)
+    verify = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ckpt.py"), "verify", str(run_dir)],
+        capture_output=True,
+        text=True,
+    )
     assert verify.returncode == 0, verify.stderr
     assert verify.stdout.count("ok: ") == len(steps)

@@ -16,11 +16,15 @@ LAYOUTS = {"dp": "data=8", "fsdp": "fsdp=8", "tp": "data=4,tensor=2", "fsdp_tp":
 
 def resolved(cfg, rules_name):
     mesh = build_mesh(LAYOUTS[rules_name])
-    return sharding_lib.plan(cfg.model, mesh, load_rules(rules_name), cfg.train.global_batch_size, cfg.train.seq_len)
+    return sharding_lib.plan(
+        cfg.model, mesh, load_rules(rules_name), cfg.train.global_batch_size, cfg.train.seq_len
+    )
 
 
 def golden_text(plan) -> str:
-    lines = [f"# tiny on {LAYOUTS[plan.rules.name]} under {plan.rules.name}: path | logical | spec | per-device shape"]
+    lines = [
+        f"# tiny on {LAYOUTS[plan.rules.name]} under {plan.rules.name}: path | logical | spec | per-device shape"
+    ]
     for p in plan.params:
         lines.append(f"{p.path} | {p.logical} | {sharding_lib.format_spec(p.spec)} | {p.local_shape}")
     lines.append(f"batch | ('batch', 'seq') | {sharding_lib.format_spec(plan.batch_sharding.spec)}")
@@ -33,7 +37,9 @@ def test_golden_shardings(tiny_cfg, devices, rules_name):
     path = GOLDEN / f"sharding_{rules_name}.txt"
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(text)
-    assert text == path.read_text(), f"sharding of tiny under {rules_name} changed; rerun with UPDATE_GOLDEN=1 if intended"
+    assert text == path.read_text(), (
+        f"sharding of tiny under {rules_name} changed; rerun with UPDATE_GOLDEN=1 if intended"
+    )
 
 
 def test_fsdp_bytes_per_device(tiny_cfg, devices):
@@ -43,8 +49,12 @@ def test_fsdp_bytes_per_device(tiny_cfg, devices):
     from spmd.train import build_trainer
 
     state = build_trainer(tiny_cfg, plan).init_state()
-    on_device0 = sum(s.data.nbytes for x in jax.tree.leaves(state["params"])
-                     for s in x.addressable_shards if s.device == jax.devices()[0])
+    on_device0 = sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(state["params"])
+        for s in x.addressable_shards
+        if s.device == jax.devices()[0]
+    )
     assert on_device0 == plan.param_bytes_per_device
 
 
@@ -55,9 +65,13 @@ def test_dp_is_fully_replicated_without_warning(tiny_cfg, devices):
 
 
 def test_warns_when_rules_leave_params_replicated(tiny_cfg, devices, tmp_path):
-    text = (sharding_lib.rules_lib.PRESET_DIR / "fsdp.toml").read_text().replace('embed = "fsdp"', "embed = []")
+    text = (
+        (sharding_lib.rules_lib.PRESET_DIR / "fsdp.toml").read_text().replace('embed = "fsdp"', "embed = []")
+    )
     (tmp_path / "oops.toml").write_text(text)
-    plan = sharding_lib.plan(tiny_cfg.model, build_mesh("fsdp=8"), load_rules(str(tmp_path / "oops.toml")), 8, 64)
+    plan = sharding_lib.plan(
+        tiny_cfg.model, build_mesh("fsdp=8"), load_rules(str(tmp_path / "oops.toml")), 8, 64
+    )
     assert plan.replicated_fraction() == 1.0
     assert "100% of parameter bytes stay replicated" in plan.replication_warning()
 
