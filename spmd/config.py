@@ -7,10 +7,10 @@ overrides one key, parsed to the key's type.
 
 import dataclasses
 import pathlib
-import tomllib
 import typing
 
 from models.llama import ModelConfig
+from spmd import presets as presets_lib
 from spmd.errors import UserError, closest
 from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 
@@ -139,7 +139,7 @@ SECTIONS = {
 
 
 def presets() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    return presets_lib.names(CONFIG_DIR)
 
 
 def _type_name(t) -> str:
@@ -193,20 +193,8 @@ def config_from_json(d: dict) -> Config:
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
     """A preset name from configs/ or a path to a TOML file, then `key=value` overrides."""
-    path = pathlib.Path(name_or_path)
-    if not (path.suffix == ".toml" or path.exists()):
-        path = CONFIG_DIR / f"{name_or_path}.toml"
-        if not path.exists():
-            raise UserError(
-                f"unknown config {name_or_path!r}{closest(name_or_path, presets())}; "
-                f"presets are {', '.join(presets())}, or pass a path to a .toml file"
-            )
-    if not path.is_file():
-        raise UserError(f"config file {str(path)!r} not found")
-    try:
-        doc = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    path = presets_lib.resolve(name_or_path, CONFIG_DIR, "config")
+    doc = presets_lib.read(path, "config file")
     tree: dict[str, dict] = {}
     for section, table in doc.items():
         if section not in SECTIONS or not isinstance(table, dict):
@@ -216,15 +204,23 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
             )
         for leaf, value in table.items():
             _set(tree, f"{section}.{leaf}", value, str(path))
+    return _build(presets_lib.display_name(path, CONFIG_DIR), tree, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    """`cfg` with `section.key=value` overrides (as --set gives them), checked like a loaded config."""
+    if not overrides:
+        return cfg
+    return _build(cfg.name, {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}, overrides)
+
+
+def _build(name: str, tree: dict[str, dict], overrides: typing.Sequence[str]) -> Config:
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
             raise UserError(f"--set {item!r} must look like section.key=value, e.g. --set train.steps=50")
         _set(tree, key.strip(), value, "--set")
-    cfg = Config(
-        name=path.stem if path.parent == CONFIG_DIR else str(path),
-        **{s: SECTIONS[s](**tree.get(s, {})) for s in SECTIONS},
-    )
+    cfg = Config(name=name, **{s: SECTIONS[s](**tree.get(s, {})) for s in SECTIONS})
     problems = [p for s in SECTIONS for p in getattr(cfg, s).check()]
     if problems:
         raise UserError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

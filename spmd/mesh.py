@@ -6,6 +6,7 @@ few activations, and XLA's partitioner propagates the rest.
 """
 
 import math
+from collections.abc import Mapping
 
 import jax
 from jax.experimental import mesh_utils
@@ -60,7 +61,7 @@ def resolve_sizes(sizes: dict[str, int], n_devices: int, flag: str = "--mesh") -
         sizes = {**sizes, fill[0]: n_devices // known}
     product = math.prod(sizes.values())
     if product != n_devices:
-        named = ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "(all 1)"
+        named = format_mesh(sizes, empty="(all 1)")
         raise UserError(
             f"{flag} {named} has {product} devices but {n_devices} are available; make the "
             f"sizes multiply to {n_devices} (one size may be -1 to fill)"
@@ -68,8 +69,27 @@ def resolve_sizes(sizes: dict[str, int], n_devices: int, flag: str = "--mesh") -
     return sizes
 
 
-def format_mesh(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
+def format_mesh(sizes: Mapping[str, int], empty: str = "single device") -> str:
+    """'fsdp=4,tensor=2': the axes of more than one device, in mesh order (`empty` if there are none)."""
+    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or empty
+
+
+def format_axes(sizes: Mapping[str, int], axes) -> str:
+    """'fsdp=2 x tensor=4': the mesh axes a dimension is split over, with their sizes."""
+    return " x ".join(f"{a}={sizes[a]}" for a in axes)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None (not split), an axis name, or a tuple of names."""
+    if not entry:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axes_size(sizes: Mapping[str, int], axes) -> int:
+    """How many ways `axes` split a dimension: the product of their sizes (1 for no axes).
+    `sizes` is a mesh's shape (`mesh.shape`) or any axis -> size mapping."""
+    return math.prod(sizes[a] for a in axes)
 
 
 def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:

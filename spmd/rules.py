@@ -14,14 +14,13 @@ residual stream's (which holds the batch on the same mesh axis).
 """
 
 import dataclasses
-import math
 import pathlib
-import tomllib
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd import presets as presets_lib
 from spmd.errors import UserError, closest
-from spmd.mesh import MESH_AXES
+from spmd.mesh import MESH_AXES, axes_size, format_axes, spec_axes
 
 PRESET_DIR = pathlib.Path(__file__).resolve().parent.parent / "sharding_rules"
 
@@ -56,7 +55,7 @@ LOAD_BALANCE = ("zigzag", "striped", "contiguous")
 
 
 def presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    return presets_lib.names(PRESET_DIR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +68,8 @@ class Rules:
     # sequence layout that balances causal work. Config [attention] keys override both.
     context_parallel: str = "ring"  # ring | ulysses | allgather
     load_balance: str = "zigzag"  # zigzag | striped | contiguous
+    # Which file set each key (a logical name or a top-level key), through `extends`.
+    sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def with_attention(self, attention_cfg) -> "Rules":
         """These rules with the config's [attention] overrides applied."""
@@ -77,7 +78,10 @@ class Rules:
             for k in ("context_parallel", "load_balance")
             if getattr(attention_cfg, k)
         }
-        return dataclasses.replace(self, **changes) if changes else self
+        if not changes:
+            return self
+        sources = {**self.sources, **{k: "config [attention]" for k in changes}}
+        return dataclasses.replace(self, **changes, sources=sources)
 
     def for_decoding(self) -> "Rules":
         """These rules for KV-cache decoding, which feeds one position per step: nothing to split along
@@ -119,66 +123,125 @@ class Rules:
         }
 
 
+TOP_KEYS = ("description", "extends", "replicated_params_ok", "context_parallel", "load_balance", "rules")
+DEFAULTS = {
+    "description": "",
+    "replicated_params_ok": False,
+    "context_parallel": "ring",
+    "load_balance": "zigzag",
+}
+
+
+def rules_path(name_or_path: str, relative_to: pathlib.Path | None = None) -> pathlib.Path:
+    """A preset's file, or a path (relative to `relative_to` when given: an `extends` inside a file)."""
+    return presets_lib.resolve(name_or_path, PRESET_DIR, "rules preset", relative_to)
+
+
 def load_rules(name_or_path: str) -> Rules:
-    """`name_or_path` is a preset name (see `presets()`) or a path to a TOML file."""
-    path = pathlib.Path(name_or_path)
-    if not (path.suffix == ".toml" or path.exists()):
-        path = PRESET_DIR / f"{name_or_path}.toml"
-        if not path.exists():
-            raise UserError(
-                f"unknown rules preset {name_or_path!r}{closest(name_or_path, presets())}; "
-                f"presets are {', '.join(presets())}, or pass a path to a .toml file"
-            )
-    if not path.is_file():
-        raise UserError(f"rules file {str(path)!r} not found; pass a preset name or an existing .toml")
-    try:
-        doc = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"rules file {str(path)!r} is not valid TOML: {e}") from None
-    top_keys = ["description", "replicated_params_ok", "context_parallel", "load_balance", "rules"]
-    unknown_top = set(doc) - set(top_keys)
+    """`name_or_path` is a preset name (see `presets()`) or a path to a TOML file.
+
+    A file may say `extends = "PRESET"` (or a path to another file, relative to it): it then starts
+    from that file's resolved rules and lists only what differs. Every key remembers the file
+    that set it (`Rules.sources`, shown by `spmd-train --print-rules`)."""
+    return _load(rules_path(name_or_path), ())
+
+
+def _display_name(path: pathlib.Path) -> str:
+    return presets_lib.display_name(path, PRESET_DIR)
+
+
+def _read(path: pathlib.Path) -> dict:
+    doc = presets_lib.read(path, "rules file", "; pass a preset name or an existing .toml")
+    unknown_top = set(doc) - set(TOP_KEYS)
     if unknown_top:
         key = sorted(unknown_top)[0]
-        raise UserError(f"unknown key {key!r} in rules file {str(path)!r}{closest(key, top_keys)}")
+        raise UserError(f"unknown key {key!r} in rules file {str(path)!r}{closest(key, TOP_KEYS)}")
     for key, choices in (("context_parallel", CONTEXT_PARALLEL), ("load_balance", LOAD_BALANCE)):
         if key in doc and doc[key] not in choices:
             raise UserError(
                 f"rules file {str(path)!r}: {key} must be one of {', '.join(choices)}, got {doc[key]!r}"
             )
-    table = doc.get("rules")
+    if "extends" in doc and not isinstance(doc["extends"], str):
+        raise UserError(
+            f"rules file {str(path)!r}: extends must be a preset name or a path, got {doc['extends']!r}"
+        )
+    table = doc.get("rules", {} if "extends" in doc else None)
     if not isinstance(table, dict):
         raise UserError(f"rules file {str(path)!r} needs a [rules] table mapping logical axes to mesh axes")
-    mapping = {}
-    for logical, value in table.items():
-        if logical not in LOGICAL_AXES:
+    return doc
+
+
+def _mesh_axes(path: pathlib.Path, logical: str, value) -> tuple[str, ...]:
+    if logical not in LOGICAL_AXES:
+        raise UserError(
+            f"unknown logical axis {logical!r} in rules file {str(path)!r}"
+            f"{closest(logical, LOGICAL_AXES)}; known axes: {', '.join(LOGICAL_AXES)}"
+        )
+    axes = (value,) if isinstance(value, str) else value
+    if not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
+        raise UserError(
+            f"rules file {str(path)!r}: {logical} must be a mesh axis, a list of mesh axes, "
+            f"or [] for replicated; got {value!r}"
+        )
+    axes = tuple(a for a in axes if a)  # "" also means replicated
+    for a in axes:
+        if a not in MESH_AXES:
             raise UserError(
-                f"unknown logical axis {logical!r} in rules file {str(path)!r}"
-                f"{closest(logical, LOGICAL_AXES)}; known axes: {', '.join(LOGICAL_AXES)}"
+                f"rules file {str(path)!r}: {logical} maps to unknown mesh axis {a!r}"
+                f"{closest(a, MESH_AXES)}; mesh axes are {', '.join(MESH_AXES)}"
             )
-        axes = (value,) if isinstance(value, str) else value
-        if not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
-            raise UserError(
-                f"rules file {str(path)!r}: {logical} must be a mesh axis, a list of mesh axes, "
-                f"or [] for replicated; got {value!r}"
-            )
-        axes = tuple(a for a in axes if a)  # "" also means replicated
-        for a in axes:
-            if a not in MESH_AXES:
-                raise UserError(
-                    f"rules file {str(path)!r}: {logical} maps to unknown mesh axis {a!r}"
-                    f"{closest(a, MESH_AXES)}; mesh axes are {', '.join(MESH_AXES)}"
-                )
-        if len(set(axes)) != len(axes):
-            raise UserError(f"rules file {str(path)!r}: {logical} lists a mesh axis twice: {list(axes)}")
-        mapping[logical] = axes
+    if len(set(axes)) != len(axes):
+        raise UserError(f"rules file {str(path)!r}: {logical} lists a mesh axis twice: {list(axes)}")
+    return axes
+
+
+def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> Rules:
+    if path.resolve() in chain:
+        cycle = " -> ".join(_display_name(p) for p in (*chain, path.resolve()))
+        raise UserError(
+            f"rules files extend each other in a circle: {cycle}; one of them must not say extends"
+        )
+    doc = _read(path)
+    name = _display_name(path)
+    parent = None
+    if "extends" in doc:
+        try:
+            parent = _load(rules_path(doc["extends"], path.parent), (*chain, path.resolve()))
+        except UserError as e:
+            raise UserError(f"rules file {str(path)!r} extends {doc['extends']!r}: {e}") from None
+    mapping = dict(parent.mapping) if parent else {}
+    sources = dict(parent.sources) if parent else {}
+    for logical, value in doc.get("rules", {}).items():
+        mapping[logical] = _mesh_axes(path, logical, value)
+        sources[logical] = name
+    top = {}
+    for key, default in DEFAULTS.items():
+        if key in doc:
+            top[key], sources[key] = doc[key], name
+        else:
+            top[key] = getattr(parent, key) if parent else default
     return Rules(
-        name=path.stem if path.parent == PRESET_DIR else str(path),
-        description=str(doc.get("description", "")),
-        mapping=mapping,
-        replicated_params_ok=bool(doc.get("replicated_params_ok", False)),
-        context_parallel=doc.get("context_parallel", "ring"),
-        load_balance=doc.get("load_balance", "zigzag"),
+        name=name,
+        description=str(top["description"]),
+        mapping={n: mapping[n] for n in LOGICAL_AXES if n in mapping},
+        replicated_params_ok=bool(top["replicated_params_ok"]),
+        context_parallel=top["context_parallel"],
+        load_balance=top["load_balance"],
+        sources=sources,
     )
+
+
+def rules_table(rules: Rules) -> str:
+    """The resolved rules, one line per key, with the file that set it (`--print-rules`)."""
+    rows = [("key", "mesh axes / value", "set by")]
+    for key in ("replicated_params_ok", "context_parallel", "load_balance"):
+        rows.append((key, str(getattr(rules, key)).lower(), rules.sources.get(key, "default")))
+    for logical, axes in rules.mapping.items():
+        rows.append((logical, ", ".join(axes) or "[] (replicated)", rules.sources.get(logical, "-")))
+    width = [max(len(r[c]) for r in rows) for c in range(2)]
+    lines = [f"{a.ljust(width[0])}  {b.ljust(width[1])}  {c}" for a, b, c in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return f"rules {rules.name}: {rules.description}\n" + "\n".join(lines)
 
 
 def validate(
@@ -201,7 +264,7 @@ def validate(
         )
     for what, logical in specs.items():
         pspec = rules.spec(logical)
-        flat = [a for entry in pspec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+        flat = [a for entry in pspec for a in spec_axes(entry)]
         dup = {a for a in flat if flat.count(a) > 1}
         if dup:
             raise UserError(
@@ -211,13 +274,9 @@ def validate(
         if shapes is None or what not in shapes:
             continue
         for dim, (size, name, entry) in enumerate(zip(shapes[what], logical, pspec)):
-            if not entry:
-                continue
-            axes = (entry,) if isinstance(entry, str) else entry
-            n = math.prod(mesh_sizes[a] for a in axes)
+            n = axes_size(mesh_sizes, spec_axes(entry))
             if size % n:
-                sizes = " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
                 raise UserError(
                     f"{what}: dimension {dim} ({name}, size {size}) does not divide by mesh axes "
-                    f"{sizes} = {n}; change the mesh, the rules, or the model size"
+                    f"{format_axes(mesh_sizes, spec_axes(entry))} = {n}; change the mesh, the rules, or the model size"
                 )

@@ -2,10 +2,10 @@
 
 import pytest
 
-from spmd.config import load_config
+from spmd.config import AttentionConfig, load_config
 from spmd.errors import UserError
 from spmd.mesh import MESH_AXES, build_mesh, parse_mesh
-from spmd.rules import load_rules, presets, validate
+from spmd.rules import load_rules, presets, rules_table, validate
 
 
 def test_mesh_fill_and_defaults(devices):
@@ -75,6 +75,43 @@ def test_rules_errors(tmp_path):
         load_rules(_rules_file(tmp_path, '[rules]\nbatch = ["data", "data"]\n'))
     with pytest.raises(UserError, match="not valid TOML"):
         load_rules(_rules_file(tmp_path, "[rules\n"))
+
+
+def test_a_rules_file_extends_a_preset_and_lists_only_what_differs(tmp_path):
+    base = tmp_path / "mine.toml"
+    base.write_text('extends = "fsdp_tp"\ndescription = "mine"\n[rules]\nvocab = []\n')
+    (tmp_path / "child.toml").write_text('extends = "mine.toml"\ncontext_parallel = "ulysses"\n')
+    parent, mine, child = (
+        load_rules("fsdp_tp"),
+        load_rules(str(base)),
+        load_rules(str(tmp_path / "child.toml")),
+    )
+    assert mine.mapping == {**parent.mapping, "vocab": ()}
+    assert mine.sources["vocab"] == str(base) and mine.sources["embed"] == "fsdp_tp"
+    assert mine.sources["heads"] == "tp" and mine.sources["batch"] == "base"
+    assert child.mapping == mine.mapping and child.context_parallel == "ulysses"
+    assert child.description == "mine"  # inherited, like every key the file leaves out
+    table = rules_table(child.with_attention(AttentionConfig(load_balance="striped")))
+    assert "vocab" in table and str(base) in table and "config [attention]" in table
+
+
+def test_extends_errors(tmp_path):
+    for name, body in {"a": 'extends = "b.toml"\n', "b": 'extends = "a.toml"\n'}.items():
+        (tmp_path / f"{name}.toml").write_text(body)
+    with pytest.raises(
+        UserError, match=r"extend each other in a circle: .*a\.toml -> .*b\.toml -> .*a\.toml"
+    ):
+        load_rules(str(tmp_path / "a.toml"))
+    with pytest.raises(UserError, match="extends 'fsdpp': unknown rules preset 'fsdpp'.*did you mean 'fsdp'"):
+        load_rules(_rules_file(tmp_path, 'extends = "fsdpp"\n'))
+    with pytest.raises(UserError, match="unknown logical axis 'embd'"):
+        load_rules(_rules_file(tmp_path, 'extends = "fsdp"\n[rules]\nembd = "fsdp"\n'))
+    with pytest.raises(UserError, match="needs a \\[rules\\] table"):
+        load_rules(_rules_file(tmp_path, 'description = "no rules, no parent"\n'))
+    # A file that maps only some names still fails where the model needs one it lacks.
+    partial = load_rules(_rules_file(tmp_path, '[rules]\nbatch = "data"\n'))
+    with pytest.raises(UserError, match="do not map logical axis 'embed'"):
+        validate(partial, {"w": ("embed",)}, dict.fromkeys(MESH_AXES, 1))
 
 
 def test_validate_names_duplicates_and_divisibility():
