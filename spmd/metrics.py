@@ -10,20 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from spmd.data import cache_dir
-
-# Dense bf16 peak per device (FLOP/s) from vendor datasheets, for accelerators we know.
-PEAK_FLOPS_TABLE = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "L4": 121e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-}
+from spmd.hardware import chip_for
 
 MATMUL_N = 2048
 
@@ -62,13 +49,12 @@ def peak_flops(dtype: str) -> tuple[float, str]:
     of all its devices together; it is measured once per host kind and dtype and cached.
     """
     device = jax.devices()[0]
-    if device.platform != "cpu":
-        for name, flops in PEAK_FLOPS_TABLE.items():
-            if name.lower() in device.device_kind.lower():
-                return (
-                    flops * jax.device_count(),
-                    f"table: {name} {flops / 1e12:.0f} TFLOP/s/device x {jax.device_count()}",
-                )
+    known = chip_for(device.device_kind) if device.platform != "cpu" else None
+    if known is not None:
+        chip = known[1]
+        return chip.peak_flops * jax.device_count(), (
+            f"table: {chip.device_kinds[0]} {chip.peak_flops / 1e12:.0f} TFLOP/s/device x {jax.device_count()}"
+        )
     key = f"{device.platform}|{device.device_kind}|{dtype}|{os.cpu_count()}|jax {jax.__version__}"
     path = cache_dir() / "peak_flops.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
