@@ -32,7 +32,7 @@ def _chunk_mask(c, C, T, S, causal, seg_BT, segc_BC):
     return mask_BTC[:, None, None]  # (B, 1, 1, T, C): broadcast over K, G
 
 
-def _traced_zero(x):
+def traced_zero(x):
     """0 as int32, computed from `x`.
 
     The chunk index starts from this instead of a constant. When this attention runs inside a
@@ -72,7 +72,7 @@ def _forward(q, k, v, seg, causal, scale, C):
         jnp.zeros((B, K, G, T, H), jnp.float32),
         jnp.full((B, K, G, T), MASK_VALUE, jnp.float32),
         jnp.zeros((B, K, G, T), jnp.float32),
-        _traced_zero(q),
+        traced_zero(q),
     )
     (acc, m, l, _), _ = jax.lax.scan(step, init, (_chunks(k, C), _chunks(v, C), segc))
     out_BTNH = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)

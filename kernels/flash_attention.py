@@ -226,7 +226,7 @@ def _seg_pair(seg):
     return seg if isinstance(seg, tuple) else (seg, seg)
 
 
-def _forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
+def flash_forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -259,7 +259,7 @@ def _forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret):
     return o[:, :T], lse[:, :, :T]
 
 
-def _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes, interpret):
+def flash_backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes, interpret):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -339,18 +339,18 @@ def _ceil_pow2(n: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _flash(q, k, v, seg, causal, scale, block_sizes, interpret):
-    return _forward(q, k, v, seg, causal, scale, block_sizes, interpret)
+    return flash_forward(q, k, v, seg, causal, scale, block_sizes, interpret)
 
 
 def _flash_fwd(q, k, v, seg, causal, scale, block_sizes, interpret):
-    o, lse = _forward(q, k, v, seg, causal, scale, block_sizes, interpret)
+    o, lse = flash_forward(q, k, v, seg, causal, scale, block_sizes, interpret)
     return (o, lse), (q, k, v, seg, o, lse)
 
 
 def _flash_bwd(causal, scale, block_sizes, interpret, residuals, cotangents):
     q, k, v, seg, o, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, seg, o, lse, do, dlse, causal, scale, block_sizes, interpret)
+    dq, dk, dv = flash_backward(q, k, v, seg, o, lse, do, dlse, causal, scale, block_sizes, interpret)
     return dq, dk, dv, None
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.chunked_attention import _traced_zero
+from kernels.chunked_attention import traced_zero
 from kernels.flash_attention import MASK_VALUE
 
 LAYOUTS = ("zigzag", "striped", "contiguous")
@@ -341,8 +341,8 @@ def ring_attention(
     limit = min(key_chunk, t // sub_chunks)
     C = max(d for d in range(1, limit + 1) if t % d == 0 and (t // sub_chunks) % d == 0)
     # Positions are often constants (the layout permutation); made to depend on q, the masks are
-    # not hoisted out of a differentiated layer scan and stacked (see chunked_attention._traced_zero).
-    positions_Bt = positions_Bt + _traced_zero(q_BtNH)
+    # not hoisted out of a differentiated layer scan and stacked (see chunked_attention.traced_zero).
+    positions_Bt = positions_Bt + traced_zero(q_BtNH)
     return _ring(
         q_BtNH,
         k_BsKH,
@@ -371,7 +371,7 @@ def _relation(qpos, kpos):
 
 
 def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
-    from kernels.flash_attention import _forward
+    from kernels.flash_attention import flash_forward
 
     B, T, N, H = q.shape
     t = T // c
@@ -394,7 +394,7 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
 
                 def attend(st, diagonal, a=a, b=b, seg=seg):
                     o, lse = st
-                    o_b, lse_b = _forward(q_p[a], k_p[b], v_p[b], seg, diagonal, scale, bs, interpret)
+                    o_b, lse_b = flash_forward(q_p[a], k_p[b], v_p[b], seg, diagonal, scale, bs, interpret)
                     lse_new = jnp.logaddexp(lse, lse_b)
                     w_old = jnp.exp(lse - lse_new).transpose(0, 2, 1)[..., None]
                     w_new = jnp.exp(lse_b - lse_new).transpose(0, 2, 1)[..., None]
@@ -419,7 +419,7 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
 def _flash_ring_backward(
     q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret
 ):
-    from kernels.flash_attention import _backward
+    from kernels.flash_attention import flash_backward
 
     q_p, o_p, do_p, lse_p = _split(q, c), _split(out, c), _split(dout, c), _split(lse, c, axis=-1)
     qpos_p = _split(qpos, c)
@@ -438,7 +438,7 @@ def _flash_ring_backward(
                 # With the merged output and lse, the kernel's backward gives this block's share.
                 def grads(g, diagonal, a=a, b=b, seg=seg):
                     dq_a, dk_b, dv_b = g
-                    dq_ab, dk_ab, dv_ab = _backward(
+                    dq_ab, dk_ab, dv_ab = flash_backward(
                         q_p[a],
                         k_p[b],
                         v_p[b],
@@ -527,7 +527,7 @@ def ring_flash_attention(
     scale = q_BtNH.shape[-1] ** -0.5 if scale is None else float(scale)
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
-    positions_Bt = positions_Bt + _traced_zero(q_BtNH)
+    positions_Bt = positions_Bt + traced_zero(q_BtNH)
     seg = None if segment_ids_Bt is None else segment_ids_Bt.astype(jnp.int32)
     return _flash_ring(
         q_BtNH,

@@ -12,11 +12,8 @@ import jax.numpy as jnp
 
 from kernels.chunked_attention import chunked_attention
 from kernels.flash_attention import flash_attention
-from spmd import context
-from spmd.logical import per_shard
+from spmd.logical import KV_AXES, Q_AXES, is_split, per_shard, provided
 
-Q_AXES = ("batch", "seq", "act_heads", "head_dim")
-KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
 CHUNKED_FROM = 1024
 
@@ -70,9 +67,10 @@ LOCAL_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": fla
 def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str):
     """Causal self-attention of one training sequence. When the active sharding rules split the
     sequence over devices, context parallelism (ring, Ulysses or all-gather) takes over; the tokens'
-    positions then define the mask, since the sequence may be permuted for load balance."""
-    if context.active() is not None:
-        return context.context_attention(
+    positions then define the mask, since the sequence may be permuted for load balance. That
+    implementation is handed in through the seam (spmd/context.py provides it)."""
+    if is_split("seq"):
+        return provided("context_attention")(
             q_BTNH,
             k_BTKH,
             v_BTKH,

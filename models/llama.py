@@ -9,7 +9,6 @@ with `jax.lax.scan`, so compile time does not grow with depth.
 """
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -17,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import attention
+from models.layers import MLP, RMSNorm, param, project, rope
 from models.moe import DISPATCHED_AXES, MoE
-from spmd.logical import can_merge, constrain
+from spmd.logical import constrain
 
 REMAT_POLICIES = {
     "none": None,
@@ -128,60 +128,15 @@ class ModelConfig:
         return problems
 
 
-def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
-    """Contract the last `n_in` axes of x with the first `n_in` axes of w, as one 2-D matmul.
-
-    Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
-    contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands: the
-    `small` MLP's backward took 1.5x longer, so we flatten. On GPU/TPU this is free either way.
-    When the sequence is split over devices (context parallelism) flattening (B, T) would scatter
-    each device's tokens across the merged axis, so the dot keeps the leading axes instead.
-    """
-    lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
-    if not can_merge(lead_axes):
-        return jax.lax.dot_general(
-            x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-        )
-    y = x.reshape(math.prod(lead), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
-    return y.reshape(*lead, *out)
-
-
-def _param(rngs, cfg, shape, logical, std=None):
-    init = nnx.initializers.normal(cfg.init_std if std is None else std)
-    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), out_sharding=logical)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.eps = cfg.norm_eps
-        self.scale_D = nnx.Param(jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), out_sharding=("norm",))
-
-    def __call__(self, x_BTD):
-        x = x_BTD.astype(jnp.float32)
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale_D[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        return (y * scale).astype(x_BTD.dtype)
-
-
-def rope(x_BTNH, positions_BT, theta: float):
-    """Rotary embedding, computed in fp32; pairs dimension i with i + H/2 (Llama layout)."""
-    half = x_BTNH.shape[-1] // 2
-    freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h[None, None, :]
-    cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq_DNH = _param(rngs, cfg, (D, N, H), ("embed", "heads", "head_dim"))
-        self.wk_DKH = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
-        self.wv_DKH = _param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
+        self.wq_DNH = param(rngs, cfg, (D, N, H), ("embed", "heads", "head_dim"))
+        self.wk_DKH = param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
+        self.wv_DKH = param(rngs, cfg, (D, K, H), ("embed", "kv_heads", "head_dim"))
         # Output projection scaled down with depth (GPT-2 style) so the residual stays O(1).
-        self.wo_NHD = _param(
+        self.wo_NHD = param(
             rngs, cfg, (N, H, D), ("heads", "head_dim", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
 
@@ -211,24 +166,6 @@ class Attention(nnx.Module):
             )
             new_kv = (k_BSKH, v_BSKH)
         return project(out_BTNH, self.wo_NHD[...].astype(dt), n_in=2), new_kv  # BTNH,NHD->BTD
-
-
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
-        D, F = cfg.d_model, d_ff or cfg.d_ff
-        self.w_gate_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
-        self.w_up_DF = _param(rngs, cfg, (D, F), ("embed", "mlp"))
-        self.w_down_FD = _param(
-            rngs, cfg, (F, D), ("mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        )
-
-    def __call__(self, x_BTD):
-        dt = x_BTD.dtype
-        gate_BTF = project(x_BTD, self.w_gate_DF[...].astype(dt))  # BTD,DF->BTF
-        up_BTF = project(x_BTD, self.w_up_DF[...].astype(dt))  # BTD,DF->BTF
-        return project(jax.nn.silu(gate_BTF) * up_BTF, self.w_down_FD[...].astype(dt))  # BTF,FD->BTD
 
 
 class Block(nnx.Module):
@@ -269,7 +206,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_VD = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=1.0)
+        self.embed_VD = param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=1.0)
         groups, dense_per_group, has_moe = layer_groups(cfg)
 
         def stack(n, moe):
@@ -286,7 +223,7 @@ class Decoder(nnx.Module):
             self.moe_layers = stack(groups, True)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.head_DV = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+            self.head_DV = param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None):
         """Logits for every position; with a cache, also the updated cache (see KVCache)."""

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd import moe as moe_parallel
-from spmd.logical import constrain
+from models.layers import MLP, param
+from spmd.logical import active, constrain, provided
 
 DISPATCHED_AXES = ("act_moe_batch", "act_expert", None, "act_embed")  # B E C D, at the experts
 LOCAL_AXES = ("batch", None, None, "act_embed")  # B E C D, where the tokens came from
@@ -86,24 +86,17 @@ def dispatch_masks(experts_BTk, weights_BTk, E: int, C: int):
     return dispatch_BTEC, combine_BTEC, keep_BkTE
 
 
-def _param(rngs, cfg, shape, logical, std=None):
-    init = nnx.initializers.normal(cfg.init_std if std is None else std)
-    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), out_sharding=logical)
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        from models.llama import MLP  # the shared experts are one dense SwiGLU of their total width
-
         self.cfg = cfg
         D, E, F = cfg.d_model, cfg.n_experts, cfg.d_ff_expert or cfg.d_ff
-        self.router_DE = _param(rngs, cfg, (D, E), ("embed", "expert"))
-        self.w_gate_EDF = _param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
-        self.w_up_EDF = _param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
-        self.w_down_EFD = _param(
+        self.router_DE = param(rngs, cfg, (D, E), ("embed", "expert"))
+        self.w_gate_EDF = param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
+        self.w_up_EDF = param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
+        self.w_down_EFD = param(
             rngs, cfg, (E, F, D), ("expert", "mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
-        if cfg.n_shared_experts:
+        if cfg.n_shared_experts:  # one dense SwiGLU of the shared experts' total width
             self.shared = MLP(cfg, rngs=rngs, d_ff=cfg.n_shared_experts * F)
 
     def __call__(self, x_BTD):
@@ -128,7 +121,7 @@ class MoE(nnx.Module):
             out_BTD = jnp.einsum("BECD,BTEC->BTD", y_BECD, combine_BTEC.astype(dt))
             dropped = B * T * k - jnp.sum(keep_BkTE)
         else:
-            out_BTD = moe_parallel.dropless(x_BTD, r.experts_BTk, r.weights_BTk, w_gate, w_up, w_down)
+            out_BTD = dropless(x_BTD, r.experts_BTk, r.weights_BTk, w_gate, w_up, w_down)
             dropped = jnp.zeros((), jnp.int32)
         if cfg.n_shared_experts:
             out_BTD = out_BTD + self.shared(x_BTD)
@@ -153,6 +146,19 @@ def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
     )
     y_EMD = jnp.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD)
     return y_EMD.reshape(E, B, C, D).transpose(1, 0, 2, 3)
+
+
+def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """The dropless path: on one device the reference below; with sharding rules active, the
+    expert-parallel exchange handed in through the seam (spmd/moe.py), which runs the reference on
+    each device's tokens and experts."""
+    if active() is not None:
+        return provided("dropless_moe")(
+            x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, reference=dropless_reference
+        )
+    B, T, D = x_BTD.shape
+    flat = (x_BTD.reshape(B * T, D), experts_BTk.reshape(B * T, -1), weights_BTk.reshape(B * T, -1))
+    return dropless_reference(*flat, w_gate_EDF, w_up_EDF, w_down_EFD).reshape(B, T, D)
 
 
 def dropless_reference(x_TD, experts_Tk, weights_Tk, w_gate_EDF, w_up_EDF, w_down_EFD):

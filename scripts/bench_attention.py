@@ -26,25 +26,17 @@ def cpu_memory(lengths):
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
+    from spmd.setup import assemble
     from spmd.sharding import fmt_bytes
-    from spmd.train import build_trainer
 
     print("\n`tiny` train step (batch 1, 4 heads, fp32), compiled temporary memory per device:\n")
     print("| T | xla | chunked | xla / chunked |")
     print("|---:|---:|---:|---:|")
-    mesh = build_mesh("", devices=jax.devices()[:1])
     for T in lengths:
         temps = {}
         for impl in ("xla", "chunked"):
-            cfg = load_config(
-                "tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]
-            )
-            plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), 1, T)
-            trainer = build_trainer(cfg, plan)
+            sets = [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]
+            trainer = assemble("tiny", "", "dp", overrides=sets, devices=jax.devices()[:1]).trainer
             batch = trainer.abstract_batch(1, T)
             state = trainer.abstract_state
             temps[impl] = (

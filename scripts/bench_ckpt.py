@@ -32,16 +32,14 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     from spmd import checkpoint as ckpt
-    from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.data import make_batches
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
-    cfg = load_config(
+    setup = assemble(
         "small",
-        [
+        "",
+        "dp",
+        devices=jax.devices()[:1],
+        overrides=[
             f"model.n_layers={args.layers}",
             "model.d_model=1024",
             "model.n_heads=16",
@@ -53,10 +51,7 @@ def main() -> None:
             "train.seq_len=128",
         ],
     )
-    mesh = build_mesh("", devices=jax.devices()[:1])
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), 4, 128)
-    trainer = build_trainer(cfg, plan)
-    batches = make_batches(cfg, plan.batch_sharding)
+    trainer, batches = setup.trainer, setup.batches()
     state = trainer.init_state()
     n_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     root = pathlib.Path(args.dir)

@@ -30,13 +30,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from spmd import sharding as sharding_lib  # noqa: E402
-from spmd.config import load_config  # noqa: E402
-from spmd.data import make_batches  # noqa: E402
-from spmd.mesh import build_mesh  # noqa: E402
-from spmd.rules import load_rules  # noqa: E402
+from spmd.setup import assemble  # noqa: E402
 from spmd.sharding import fmt_bytes  # noqa: E402
-from spmd.train import build_trainer  # noqa: E402
 
 MODEL = [
     "model.n_heads=8",
@@ -48,24 +43,18 @@ MODEL = [
 ]
 
 
-def trainer_for(T, n, rules, batch=1, impl="chunked"):
-    cfg = load_config(
-        "tiny",
-        MODEL
-        + [
-            f"train.seq_len={T}",
-            f"train.global_batch_size={batch}",
-            f"model.attention_impl={impl}",
-            "train.eval_every=0",
-        ],
-    )
-    mesh = build_mesh(f"context={n}" if n > 1 else "", devices=jax.devices()[:n])
-    plan = sharding_lib.plan(cfg.model, mesh, load_rules(rules), batch, T)
-    return cfg, build_trainer(cfg, plan)
+def setup_for(T, n, rules, batch=1, impl="chunked"):
+    sets = MODEL + [
+        f"train.seq_len={T}",
+        f"train.global_batch_size={batch}",
+        f"model.attention_impl={impl}",
+        "train.eval_every=0",
+    ]
+    return assemble("tiny", f"context={n}" if n > 1 else "", rules, overrides=sets, devices=jax.devices()[:n])
 
 
 def peak_bytes(T, n):
-    _, trainer = trainer_for(T, n, "cp_ring" if n > 1 else "dp")
+    trainer = setup_for(T, n, "cp_ring" if n > 1 else "dp").trainer
     compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch(1, T)).compile()
     m = compiled.memory_analysis()
     # XLA:CPU's peak_memory_in_bytes does not count temporaries; this does (donated state counted once).
@@ -98,8 +87,8 @@ def time_table(T, batch, steps):
     print("| mode | median step | vs ring |\n|---|---:|---:|")
     medians = {}
     for mode, rules in (("ring", "cp_ring"), ("ulysses", "cp_ulysses"), ("allgather", "allgather")):
-        cfg, trainer = trainer_for(T, 4, rules, batch=batch)
-        batches = make_batches(cfg, trainer.plan.batch_sharding)
+        setup = setup_for(T, 4, rules, batch=batch)
+        trainer, batches = setup.trainer, setup.batches()
         state = trainer.init_state()
         times = []
         for step in range(steps + 2):

@@ -27,12 +27,9 @@ def main() -> None:
     import numpy as np
 
     jax.config.update("jax_platforms", "cpu")
-    from spmd import sharding as sharding_lib
     from spmd.config import load_config
     from spmd.inference import Loaded, Sampler
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
     cfg = load_config(args.config)
     print(
@@ -42,11 +39,12 @@ def main() -> None:
     print("| batch | decode tokens/s | ms per step | prefill ms |")
     print("|---:|---:|---:|---:|")
     for batch in (1, 16):
-        mesh = build_mesh("", devices=jax.devices()[:1])
-        plan = sharding_lib.plan(cfg.model, mesh, load_rules("dp"), batch, 1)
-        trainer = build_trainer(cfg, plan)
-        params = trainer.init_state()["params"]
-        sampler = Sampler(Loaded(cfg, 0, {}, trainer, params))
+        setup = assemble(
+            cfg, "", "dp", devices=jax.devices()[:1], optimizer=False, decoding=True, batch_size=batch
+        )
+        plan = setup.plan
+        params = jax.jit(lambda: plan.init_params(cfg.train.seed), out_shardings=plan.param_shardings)()
+        sampler = Sampler(Loaded(setup, 0, {}, params))
         prompts = [np.random.default_rng(i).integers(0, 256, args.prompt_len) for i in range(batch)]
         sampler.generate(prompts, args.new_tokens, 0.8, 40, 0)  # compile
         stamps = []

@@ -31,16 +31,9 @@ CASES = [  # (label, config, devices, mesh, rules, --set)
 def expert_bytes(config: str, mesh_spec: str, rules: str, devices: int) -> tuple[int, int]:
     import jax
 
-    from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
+    from spmd.setup import assemble
 
-    cfg = load_config(config)
-    mesh = build_mesh(mesh_spec, devices=jax.devices()[:devices])
-    plan = sharding_lib.plan(
-        cfg.model, mesh, load_rules(rules), cfg.train.global_batch_size, cfg.train.seq_len
-    )
+    plan = assemble(config, mesh_spec, rules, devices=jax.devices()[:devices], optimizer=False).plan
     experts = [p for p in plan.params if p.logical[:2] == ("layers", "expert")]
     total = sum(math.prod(p.shape) * p.dtype.itemsize for p in experts)
     local = sum(math.prod(p.local_shape) * p.dtype.itemsize for p in experts)

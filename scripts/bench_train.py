@@ -36,20 +36,10 @@ def worker(args) -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     from models.llama import flops_per_token
-    from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.data import make_batches
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
-    cfg = load_config(args.config, args.set)
-    mesh = build_mesh(args.mesh)
-    plan = sharding_lib.plan(
-        cfg.model, mesh, load_rules(args.rules), cfg.train.global_batch_size, cfg.train.seq_len
-    )
-    trainer = build_trainer(cfg, plan)
-    batches = make_batches(cfg, plan.batch_sharding)
+    setup = assemble(args.config, args.mesh, args.rules, overrides=args.set)
+    cfg, trainer, batches = setup.cfg, setup.trainer, setup.batches()
     state = trainer.init_state()
     step_fn = trainer.train_step.lower(state, batches.train_batch(0)).compile()
     times = []

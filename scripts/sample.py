@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from spmd.infer_cli import sample_main  # noqa: E402
+from spmd.cli.sample import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(sample_main())
+    sys.exit(main())

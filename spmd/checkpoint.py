@@ -15,9 +15,11 @@ position is `consumed_samples` (the batch at step s starts at sample
 `consumed_samples + (s - step) * global_batch_size` of the seed's shuffled order).
 """
 
+import dataclasses
 import pathlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
@@ -33,7 +35,14 @@ META_VERSION = 1
 absl_logging.set_verbosity(absl_logging.ERROR)
 
 
-def _manager(directory: pathlib.Path, cfg: CheckpointConfig | None = None, read_only: bool = False):
+def _manager(
+    directory: pathlib.Path,
+    cfg: CheckpointConfig | None = None,
+    read_only: bool = False,
+    partial: bool = False,
+):
+    """`partial`: the state item read with the PyTree handler, which can restore a subtree (the
+    on-disk format is the standard handler's; it wraps the PyTree one)."""
     cfg = cfg or CheckpointConfig()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep_last,
@@ -43,7 +52,8 @@ def _manager(directory: pathlib.Path, cfg: CheckpointConfig | None = None, read_
         create=not read_only,
         read_only=read_only,
     )
-    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    state = ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler()
+    handlers = {"state": state, "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=handlers)
 
 
@@ -155,8 +165,9 @@ def _key(path) -> str:
     return "/".join(parts)
 
 
-def check_compatible(directory: pathlib.Path, step: int, abstract_state) -> None:
-    """An error naming the first parameter whose saved shape differs from this config's."""
+def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial: bool = False) -> None:
+    """An error naming the first parameter whose saved shape differs from this config's.
+    `partial`: `abstract_state` is a subtree (e.g. only the params), so extra saved arrays are fine."""
     saved = saved_arrays(directory, step)
     wanted = {
         _key(path): (tuple(x.shape), str(x.dtype))
@@ -174,7 +185,7 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state) -> None
                 f"needs {shape}; use the config the checkpoint was written with"
             )
     extra = sorted(set(saved) - set(wanted))
-    if extra:
+    if extra and not partial:
         raise UserError(f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have")
 
 
@@ -182,12 +193,27 @@ def restore(directory: pathlib.Path, step: int, target) -> tuple[dict, dict]:
     """(state laid out as `target`, meta); `target` holds ShapeDtypeStructs with the new shardings
     (Trainer.abstract_state). Each device reads only the chunks of its shards."""
     check_compatible(directory, step, target)
-    manager = _manager(directory, read_only=True)
+    return _read_state(directory, step, ocp.args.StandardRestore(target), partial=False)
+
+
+def restore_params(directory: pathlib.Path, step: int, abstract_params) -> tuple[dict, dict]:
+    """(parameters laid out as `abstract_params`, meta): only the parameters are read, never the
+    optimizer state (evaluation, sampling, or a fresh optimizer from trained weights)."""
+    target = {"params": abstract_params}
+    check_compatible(directory, step, target, partial=True)
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    state, meta = _read_state(directory, step, args, partial=True)
+    return state["params"], meta
+
+
+def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -> tuple[dict, dict]:
+    manager = _manager(directory, read_only=True, partial=partial)
     try:
         with stderr_parked():
             out = manager.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+                step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
             )
     except Exception as e:  # noqa: BLE001
         # Not closing the manager: its reader threads may still be failing; the CLI exits now.
@@ -197,6 +223,105 @@ def restore(directory: pathlib.Path, step: int, target) -> tuple[dict, dict]:
         ) from None
     manager.close()
     return out["state"], out["meta"]
+
+
+def verify(directory: pathlib.Path, step: int) -> tuple[int, int]:
+    """Read every array of one committed step onto one device and check it against the metadata:
+    (arrays, bytes) read, or an error naming the first array that is unreadable, misshapen or not
+    finite."""
+    read_meta(directory, step)
+    saved_arrays(directory, step)  # readable metadata
+    manager = _manager(directory, read_only=True)
+    metadata = manager.item_metadata(step)["state"]
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+    try:
+        with stderr_parked():
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
+                "state"
+            ]
+    except Exception as e:  # noqa: BLE001 (the manager stays open: see _read_state)
+        raise UserError(f"checkpoint {directory}/{step} is corrupt: {_first_line(e)}") from None
+    manager.close()
+    n_bytes = 0
+    for (path, m), x in zip(jax.tree_util.tree_leaves_with_path(metadata), jax.tree.leaves(state)):
+        x = np.asarray(x)
+        if x.shape != tuple(m.shape) or x.dtype != np.dtype(m.dtype):
+            raise UserError(
+                f"checkpoint {directory}/{step}: {_key(path)} reads as {x.dtype}{list(x.shape)} "
+                f"but its metadata says {m.dtype}{list(m.shape)}"
+            )
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            raise UserError(f"checkpoint {directory}/{step}: {_key(path)} holds NaN or Inf")
+        n_bytes += x.nbytes
+    return len(jax.tree.leaves(state)), n_bytes
+
+
+def step_meta(step: int, batches, train_cfg, run: dict) -> dict:
+    """The metadata saved with a step: the data position, and the resolved run that wrote it."""
+    return {
+        "version": META_VERSION,
+        "step": step,
+        "consumed_samples": batches.consumed_samples(step),
+        "global_batch_size": train_cfg.global_batch_size,
+        "seq_len": train_cfg.seq_len,
+        "seed": train_cfg.seed,
+        "run": run,
+    }
+
+
+@dataclasses.dataclass
+class Start:
+    """Where a run starts: its state, the step it has done, and lines for the log."""
+
+    state: dict
+    step: int
+    notes: list[str]
+
+
+def resume_or_init(
+    trainer, batches, run_dir: pathlib.Path, resume_from: str | None = None, overwrite: bool = False
+):
+    """The run's starting state: restored from `resume_from` (a run dir or one step) when given,
+    else from `run_dir`'s latest committed checkpoint (unless `overwrite`), else fresh from the seed.
+
+    Resuming also moves `batches` to the checkpoint's data position. Reads only, so that any error
+    here leaves the run directory as it was.
+    """
+    cfg = trainer.cfg
+    own = run_dir / SUBDIR
+    notes, source = [], None
+    if resume_from:
+        source = locate(resume_from)
+    elif not overwrite and own.is_dir():
+        steps = committed_steps(own)
+        if steps:
+            source = (own, steps[-1])
+        elif uncommitted(own):
+            notes.append(
+                f"warning: {own} holds only uncommitted checkpoints ({', '.join(uncommitted(own))}) "
+                f"from an interrupted save; starting fresh and removing them"
+            )
+    if source is None:
+        return Start(trainer.init_state(), 0, notes)
+    directory, step = source
+    state, meta = restore(directory, step, trainer.abstract_state)
+    saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
+    batches.resume_at(step, consumed)
+    notes.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")
+    if saved_batch != cfg.train.global_batch_size:
+        notes.append(
+            f"warning: global batch size changed from {saved_batch} to {cfg.train.global_batch_size}: data continues "
+            f"at sample {consumed:,} (nothing skipped or repeated), the step count and learning-rate schedule "
+            f"continue from step {step}, so each later step sees {cfg.train.global_batch_size} sequences"
+        )
+    for key, now in (("seq_len", cfg.train.seq_len), ("seed", cfg.train.seed)):
+        if int(meta.get(key, now)) != now:
+            notes.append(
+                f"warning: train.{key} was {meta[key]} when the checkpoint was written and is {now} now; "
+                f"the data order after the restore differs from the original run's"
+            )
+    return Start(state, step, notes)
 
 
 def _first_line(e: Exception) -> str:

@@ -20,20 +20,16 @@ import jax
 import numpy as np
 
 from kernels import ring_attention as ring
-from kernels.chunked_attention import _traced_zero
+from kernels.chunked_attention import traced_zero
+from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, split_axes, split_size
 from spmd.logical import active as active_sharding
-from spmd.logical import split_axes
-
-MODES = ("ring", "ulysses", "allgather")
-Q_AXES = ("batch", "seq", "act_heads", "head_dim")
-KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")
-TOKEN_AXES = ("batch", "seq")
+from spmd.mesh import axes_size, format_axes
+from spmd.rules import CONTEXT_PARALLEL
 
 
 def seq_axes(rules, mesh) -> tuple[tuple[str, ...], int]:
     """Mesh axes of the `seq` logical axis that have more than one device, and their product."""
-    axes = split_axes(rules, mesh, "seq")
-    return axes, int(np.prod([dict(mesh.shape)[a] for a in axes])) if axes else 1
+    return split_axes(rules, mesh, "seq"), split_size(rules, mesh, "seq")
 
 
 def active():
@@ -65,9 +61,9 @@ def check(rules, mesh, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]
     axes, n = seq_axes(rules, mesh)
     if n == 1:
         return []
-    sizes = dict(mesh.shape)
+    sizes = mesh.shape
     problems = []
-    where = " x ".join(f"{a}={sizes[a]}" for a in axes)
+    where = format_axes(sizes, axes)
     lay = layout(rules)
     pieces = n * (2 if lay == "zigzag" else 1)
     if seq_len % pieces:
@@ -76,8 +72,8 @@ def check(rules, mesh, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]
             f"parallelism over {where} with load_balance={lay}"
         )
     if rules.context_parallel == "ulysses":
-        head_split = n * int(np.prod([sizes[a] for a in rules.mapping.get("act_heads", ())]))
-        kv_split = n * int(np.prod([sizes[a] for a in rules.mapping.get("act_kv_heads", ())]))
+        head_split = n * axes_size(sizes, rules.mapping.get("act_heads", ()))
+        kv_split = n * axes_size(sizes, rules.mapping.get("act_kv_heads", ()))
         if n_heads % head_split or n_kv_heads % kv_split:
             problems.append(
                 f"ulysses context parallelism over {where} splits the heads {head_split} ways and the kv heads "
@@ -101,7 +97,7 @@ def context_attention(
     mode = rules.context_parallel
     spec = rules.spec
     has_seg = segment_ids_BT is not None
-    positions_BT = positions_BT + _traced_zero(q_BTNH)  # keeps masks out of the layer scan's residuals
+    positions_BT = positions_BT + traced_zero(q_BTNH)  # keeps masks out of the layer scan's residuals
     args = (q_BTNH, k_BSKH, v_BSKH, positions_BT) + ((segment_ids_BT,) if has_seg else ())
     in_specs = (spec(Q_AXES), spec(KV_AXES), spec(KV_AXES), spec(TOKEN_AXES)) + (
         (spec(TOKEN_AXES),) if has_seg else ()
@@ -153,6 +149,8 @@ def context_attention(
                 out = ring.masked_attention(q, k, v, pos, pos, seg, seg, causal=causal)
             return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
     else:
-        raise ValueError(f"unknown context_parallel mode {mode!r}; choose one of {', '.join(MODES)}")
+        raise ValueError(
+            f"unknown context_parallel mode {mode!r}; choose one of {', '.join(CONTEXT_PARALLEL)}"
+        )
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec(Q_AXES), check_vma=False)(*args)

@@ -1,5 +1,5 @@
-"""`spmd-dryrun`: compile the train step for a mesh without allocating, and report per device what
-it holds and which collectives it runs.
+"""The dry-run behind `spmd-dryrun`: compile the train step for a mesh without allocating, and
+report per device what it holds and which collectives it runs.
 
     spmd-dryrun --config llama-70b --mesh fsdp=64,tensor=4 --rules fsdp_tp --host-devices 256
 
@@ -10,36 +10,11 @@ device sends over a ring (all-gather and reduce-scatter (n-1)/n of the full arra
 that), so the two forms are comparable.
 """
 
-import argparse
-import json
-import math
-import sys
 import time
 
 import numpy as np
 
-from spmd.cli import _env_host_devices, _exit_now, _Parser, _set_host_devices
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="spmd-dryrun",
-        description="Per-device memory, FLOPs and collectives of a train step, "
-        "compiled for a mesh without allocating anything.",
-    )
-    p.add_argument("--config", default="small")
-    p.add_argument("--mesh", default="fsdp=-1")
-    p.add_argument("--rules", default="fsdp")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument(
-        "--host-devices",
-        type=int,
-        default=_env_host_devices(),
-        help="fake CPU devices standing in for the topology",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--list", action="store_true", help="also list every collective instruction")
-    return p
+from spmd.mesh import axes_size, spec_axes
 
 
 def ring_volume(kind: str, result_bytes: int, group: int) -> float:
@@ -73,19 +48,19 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     m = cfg.model
     out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0}
     for p in plan.params:
-        axes = [a for e in p.spec if e for a in ((e,) if isinstance(e, str) else e)]
-        shard = math.prod(sizes[a] for a in axes)
+        axes = [a for e in p.spec for a in spec_axes(e)]
+        shard = axes_size(sizes, axes)
         # Sharded over a batch axis: FSDP, gathered for compute. Experts split over an axis that
         # also carries the batch are never gathered (expert parallelism moves tokens instead).
-        f = math.prod(sizes[a] for a in axes if a in batch_axes and a not in expert_axes)
+        f = axes_size(sizes, [a for a in axes if a in batch_axes and a not in expert_axes])
         gathered = p.bytes_total / (shard / f)  # what one device holds after the FSDP gather
         if f > 1:
             out["fsdp"] += 3 * gathered * (f - 1) / f
-        replicas = math.prod(sizes[a] for a in grad_axes if a not in axes)
+        replicas = axes_size(sizes, [a for a in grad_axes if a not in axes])
         if replicas > 1:
             out["data"] += 2 * (gathered / f) * (replicas - 1) / replicas
-    dp = math.prod(sizes[a] for a in batch_axes)
-    n_ctx = math.prod(sizes[a] for a in seq_axes)
+    dp = axes_size(sizes, batch_axes)
+    n_ctx = axes_size(sizes, seq_axes)
     B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx  # tokens on one device
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
@@ -109,7 +84,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         else:  # allgather: gather K/V (and positions) forward, reduce-scatter their gradients backward
             per_layer = 2 * (n_ctx - 1) * kv + (n_ctx - 1) * B * T * 4
         out["context"] = m.n_layers * per_layer
-    n_ep = math.prod(sizes[a] for a in expert_axes)
+    n_ep = axes_size(sizes, expert_axes)
     if m.n_experts and n_ep > 1:
         # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
         # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer. Capacity path; the
@@ -123,23 +98,14 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     return out
 
 
-def run(args) -> dict:
-
+def dry_run(setup, list_instructions: bool = False) -> dict:
+    """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
+    what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
     from models.llama import flops_per_token
     from spmd import hlo
     from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
 
-    cfg = load_config(args.config, args.set)
-    mesh = build_mesh(args.mesh)
-    rules = load_rules(args.rules).with_attention(cfg.attention)
-    plan = sharding_lib.plan(
-        cfg.model, mesh, rules, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.microbatches
-    )
-    trainer = build_trainer(cfg, plan)
+    cfg, mesh, rules, plan, trainer = setup.cfg, setup.mesh, setup.rules, setup.plan, setup.trainer
     B, T = cfg.train.global_batch_size, cfg.train.seq_len
     state = trainer.abstract_state
     batch = trainer.abstract_batch(B, T)
@@ -151,7 +117,7 @@ def run(args) -> dict:
     sizes = dict(mesh.shape)
     rows = []
     for (kind, axes), v in sorted(hlo.summarize(items).items()):
-        group = math.prod(sizes[a] for a in axes)
+        group = axes_size(sizes, axes)
         volume = sum(
             ring_volume(c.kind, c.bytes, group) * c.count for c in items if (c.kind, c.axes) == (kind, axes)
         )
@@ -199,62 +165,6 @@ def run(args) -> dict:
             }
             for c in items
         ]
-        if args.list
+        if list_instructions
         else None,
     }
-
-
-def print_report(r: dict) -> None:
-    from spmd.sharding import fmt_bytes
-
-    mesh = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "single device"
-    print(
-        f"{r['config']} on {mesh} ({r['devices']} devices), rules {r['rules']}: compiled in {r['compile_seconds']:.1f}s\n"
-    )
-    print("per device:")
-    for k, v in r["per_device_bytes"].items():
-        print(f"  {k:<16} {fmt_bytes(v):>12}")
-    print(
-        f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
-        f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
-    )
-    print("collectives per step (XLA CPU backend), per device:")
-    print(f"  {'kind':<20} {'mesh axes':<18} {'count':>7} {'result bytes':>14} {'sent (ring)':>14}")
-    for row in r["collectives"]:
-        print(
-            f"  {row['kind']:<20} {','.join(row['axes']) or '-':<18} {row['count']:>7} "
-            f"{fmt_bytes(row['result_bytes']):>14} {fmt_bytes(row['volume_bytes']):>14}"
-        )
-    total, minimum = r["collective_volume_bytes"], r["analytic_minimum_total"]
-    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["analytic_minimum_bytes"].items() if v)
-    ratio = f"{total / minimum:.2f}x" if minimum else "n/a"
-    print(
-        f"\n  sent in all {fmt_bytes(total)}; analytic minimum {fmt_bytes(minimum)} ({parts or 'none'}); ratio {ratio}"
-    )
-    for row in r["instructions"] or []:
-        print(
-            f"  {row['name']:<28} {row['kind']:<20} {','.join(row['axes']) or '-':<14} x{row['count']:<5} "
-            f"{fmt_bytes(row['bytes']):>12}  in {row['computation']}"
-        )
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from spmd.errors import UserError, report
-
-    try:
-        if args.host_devices is not None:
-            _set_host_devices(args.host_devices)
-        r = run(args)
-    except UserError as e:
-        report(e)
-        return _exit_now(2)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        print_report(r)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

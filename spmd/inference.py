@@ -16,26 +16,30 @@ from jax.sharding import NamedSharding
 
 from models.llama import KV_CACHE_AXES, KVCache
 from spmd import checkpoint as ckpt
-from spmd import sharding as sharding_lib
-from spmd.config import SECTIONS, config_from_json
+from spmd.config import config_from_json
 from spmd.errors import UserError
-from spmd.logical import activation_sharding
-from spmd.mesh import build_mesh
+from spmd.mesh import axes_size
 from spmd.rules import load_rules
-from spmd.train import build_trainer
+from spmd.setup import Setup, assemble
+from spmd.train import held_out_sums
 
 
 @dataclasses.dataclass
 class Loaded:
-    cfg: object
+    """A checkpoint's parameters placed on a mesh, with the set-up that placed them."""
+
+    setup: Setup  # assembled without an optimizer
     step: int
     meta: dict
-    trainer: object
     params: dict
 
     @property
+    def cfg(self):
+        return self.setup.cfg
+
+    @property
     def plan(self):
-        return self.trainer.plan
+        return self.setup.plan
 
 
 def default_rules(meta: dict) -> str:
@@ -48,18 +52,12 @@ def default_rules(meta: dict) -> str:
         return "fsdp"
 
 
-def load(
-    path: str,
-    step: int | None,
-    mesh_spec: str,
-    rules_name: str | None,
-    overrides=(),
-    batch: int | None = None,
-    seq_len: int | None = None,
-    decoding: bool = False,
-) -> Loaded:
-    """Restore a checkpoint's parameters onto `mesh_spec` x rules (default: the run's own rules);
-    `decoding`: for KV-cache generation (see Rules.for_decoding)."""
+def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, overrides=(),
+         batch: int | None = None, decoding: bool = False) -> Loaded:  # fmt: skip
+    """Restore a checkpoint's parameters (never its optimizer state) onto `mesh_spec` x rules
+    (default: the run's own rules). `batch`: the batch the steps are compiled for (default the
+    run's global batch; 0: the smallest the mesh splits). `decoding`: for KV-cache generation
+    (see Rules.for_decoding)."""
     directory, latest = ckpt.locate(path)
     if step is not None:
         if step not in ckpt.committed_steps(directory):
@@ -70,36 +68,22 @@ def load(
         latest = step
     meta = ckpt.read_meta(directory, latest)
     cfg = config_from_json(meta["run"]["config"])
-    if overrides:
-        from spmd.config import _set
-
-        tree = {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}
-        for item in overrides:
-            key, _, value = item.partition("=")
-            _set(tree, key, value, "--set")
-        cfg = config_from_json({"name": cfg.name, **tree})
-    mesh = build_mesh(mesh_spec)
-    rules = load_rules(rules_name or default_rules(meta)).with_attention(cfg.attention)
-    if decoding:
-        rules = rules.for_decoding()
-    # batch 0: the smallest batch the mesh can split (sampling pads its prompts up to a multiple).
-    B = batch if batch is not None else cfg.train.global_batch_size
-    B = B or math.prod(dict(mesh.shape)[a] for a in rules.mapping.get("batch", ()))
-    plan = sharding_lib.plan(cfg.model, mesh, rules, B, seq_len or cfg.train.seq_len)
-    trainer = build_trainer(
-        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=B, microbatches=1)),
-        plan,
+    setup = assemble(
+        cfg,
+        mesh_spec,
+        rules_name or default_rules(meta),
+        overrides=overrides,
+        optimizer=False,
+        decoding=decoding,
+        batch_size=batch if batch is not None else cfg.train.global_batch_size,
     )
-    state, meta = ckpt.restore(directory, latest, trainer.abstract_state)
-    return Loaded(cfg, latest, meta, trainer, state["params"])
+    params, meta = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
+    return Loaded(setup, latest, meta, params)
 
 
 def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
     """Held-out cross-entropy (nats/token), perplexity and bits per byte (byte-level vocabularies)."""
-    total, count = 0.0, 0.0
-    for i in range(n_batches):
-        ce_sum, n = loaded.trainer.eval_step(loaded.params, batches.eval_batch(i))
-        total, count = total + float(ce_sum), count + float(n)
+    total, count = held_out_sums(loaded.setup.eval_step, loaded.params, batches, n_batches)
     loss = total / max(count, 1.0)
     byte_level = loaded.cfg.model.vocab_size == 256 and not loaded.cfg.data.path.endswith((".npy", ".bin"))
     return {
@@ -114,8 +98,7 @@ def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
 
 def batch_multiple(loaded: Loaded) -> int:
     """The batch must divide by the product of the mesh axes that `batch` maps to."""
-    sizes = dict(loaded.plan.mesh.shape)
-    return math.prod(sizes[a] for a in loaded.plan.rules.mapping["batch"])
+    return axes_size(loaded.plan.mesh.shape, loaded.plan.rules.mapping["batch"])
 
 
 class Sampler:
@@ -126,10 +109,10 @@ class Sampler:
         self.cfg = loaded.cfg.model
         plan = loaded.plan
         self.cache_sharding = plan.rules.sharding(plan.mesh, KV_CACHE_AXES)
-        graphdef, mesh, rules = plan.graphdef, plan.mesh, plan.rules
+        graphdef = plan.graphdef
 
         def forward(params, tokens_BT, positions_BT, cache):
-            with activation_sharding(rules, mesh):
+            with plan.activate():
                 logits_BTV, cache = nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache)
             return logits_BTV[:, -1].astype(jnp.float32), cache
 

@@ -1,4 +1,4 @@
-"""`spmd-launch`: run N processes of a command on this machine as one jax.distributed job.
+"""Run N processes of a command on this machine as one jax.distributed job.
 
     spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=4,tensor=2 ...
 
@@ -9,7 +9,6 @@ launcher exits with that process's code. SIGTERM/SIGINT are forwarded to every p
 preempted job still saves its checkpoint.
 """
 
-import argparse
 import os
 import signal
 import socket
@@ -19,21 +18,6 @@ import threading
 import time
 
 GRACE_S = 10
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from spmd.cli import _Parser
-
-    p = _Parser(
-        prog="spmd-launch",
-        description=__doc__.split("\n\n")[0],
-        epilog="example: spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=8",
-    )
-    p.add_argument("--processes", type=int, required=True, help="number of processes")
-    p.add_argument("--host-devices", type=int, help="simulated CPU devices per process")
-    p.add_argument("--port", type=int, help="coordinator port [a free one]")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run in every process")
-    return p
 
 
 def free_port() -> int:
@@ -115,22 +99,3 @@ def _stop(procs) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        print(
-            "error: give the command to run after --, e.g. spmd-launch --processes 2 -- spmd-train ...",
-            file=sys.stderr,
-        )
-        return 2
-    if args.processes < 1:
-        print(f"error: --processes must be positive, got {args.processes}", file=sys.stderr)
-        return 2
-    return launch(args.processes, command, args.host_devices, args.port)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,22 +1,45 @@
-"""The one seam between models and the mesh: constrain an activation by logical axis names.
+"""The one seam between models and the mesh: logical axis names, activation constraints, and the
+parallel implementations a model may call.
 
-Models call `constrain(x, ("batch", "seq", "act_embed"))` and know nothing else. The trainer
-activates a (rules, mesh) pair while it traces the step; outside that, `constrain` is a no-op, so
-the model runs unchanged on one device, in tests, or under `jax.eval_shape`.
+Models call `constrain(x, ("batch", "seq", "act_embed"))` and know nothing else about meshes. The
+trainer activates a (rules, mesh, ops) triple while it traces the step (`spmd.sharding.activate`);
+outside that, `constrain` is a no-op, so the model runs unchanged on one device, in tests, or under
+`jax.eval_shape`.
+
+`ops` is how parallel code that must see the mesh (context-parallel attention, the dropless MoE's
+all-to-all) reaches the model without the model importing it: the model asks `provided(name)` for
+an implementation only when `is_split(...)` says the active rules need one.
 """
 
 import contextlib
 import contextvars
+import dataclasses
+from collections.abc import Callable, Mapping
 
 import jax
 from jax.sharding import NamedSharding
+
+from spmd.mesh import axes_size
+
+# Logical axes of activations that both the model and the parallel implementations name.
+Q_AXES = ("batch", "seq", "act_heads", "head_dim")  # queries and attention outputs, BTNH
+KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")  # keys and values, BSKH
+TOKEN_AXES = ("batch", "seq")  # token ids, positions, segment ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Active:
+    rules: object  # spmd.rules.Rules
+    mesh: jax.sharding.Mesh
+    ops: Mapping[str, Callable]  # name -> parallel implementation (spmd.sharding.PARALLEL_OPS)
+
 
 _ACTIVE = contextvars.ContextVar("spmd_activation_sharding", default=None)
 
 
 @contextlib.contextmanager
-def activation_sharding(rules, mesh):
-    token = _ACTIVE.set((rules, mesh))
+def activation_sharding(rules, mesh, ops: Mapping[str, Callable] | None = None):
+    token = _ACTIVE.set(Active(rules, mesh, dict(ops or {})))
     try:
         yield
     finally:
@@ -25,31 +48,48 @@ def activation_sharding(rules, mesh):
 
 def active():
     """The (rules, mesh) pair active while tracing, or None (one device, tests, eval_shape)."""
-    return _ACTIVE.get()
+    current = _ACTIVE.get()
+    return None if current is None else (current.rules, current.mesh)
 
 
 def split_axes(rules, mesh, name: str) -> tuple[str, ...]:
     """The mesh axes, of more than one device, that the logical axis `name` is split over."""
-    sizes = dict(mesh.shape)
-    return tuple(a for a in rules.mapping.get(name, ()) if sizes[a] > 1)
+    return tuple(a for a in rules.mapping.get(name, ()) if mesh.shape[a] > 1)
+
+
+def split_size(rules, mesh, name: str) -> int:
+    """How many ways the logical axis `name` is split (1: not split)."""
+    return axes_size(mesh.shape, split_axes(rules, mesh, name))
+
+
+def is_split(name: str) -> bool:
+    """Whether the active rules split the logical axis `name` over more than one device."""
+    current = _ACTIVE.get()
+    return current is not None and bool(split_axes(current.rules, current.mesh, name))
+
+
+def provided(name: str) -> Callable:
+    """The parallel implementation `name` handed in with the active rules."""
+    current = _ACTIVE.get()
+    if current is None or name not in current.ops:
+        raise RuntimeError(
+            f"the model needs the parallel implementation {name!r}, which the active sharding does not "
+            f"provide; activate rules with spmd.sharding.activate(rules, mesh)"
+        )
+    return current.ops[name]
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-    active = _ACTIVE.get()
-    if active is None:
+    current = _ACTIVE.get()
+    if current is None:
         return x
-    rules, mesh = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, current.rules.spec(logical)))
 
 
 def can_merge(logical: tuple[str, ...]) -> bool:
     """Whether adjacent dimensions with these logical names can be flattened into one without
     moving data: true unless a dimension after the first is split over devices."""
-    active = _ACTIVE.get()
-    if active is None:
-        return True
-    rules, mesh = active
-    return not any(split_axes(rules, mesh, name) for name in logical[1:])
+    return not any(is_split(name) for name in logical[1:])
 
 
 def per_shard(fn, in_logical, out_logical):
@@ -60,10 +100,10 @@ def per_shard(fn, in_logical, out_logical):
     are left out of the specs; a sharded `seq` axis is refused: per-shard attention would then see
     only part of the sequence (that needs ring or all-to-all attention).
     """
-    active = _ACTIVE.get()
-    if active is None:
+    current = _ACTIVE.get()
+    if current is None:
         return fn
-    rules, mesh = active
+    rules, mesh = current.rules, current.mesh
 
     def spec(logical):
         if "seq" in logical and split_axes(rules, mesh, "seq"):

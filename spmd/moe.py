@@ -17,32 +17,21 @@ hidden units and the outputs are summed over tensor at the end.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spmd.logical import active as active_sharding
 from spmd.logical import split_axes
+from spmd.mesh import axes_size
 
 TOKEN_AXES = ("batch", "seq", None)
 
 
-def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
-    from models.moe import dropless_reference
-
-    active = active_sharding()
-    if active is None:
-        B, T, D = x_BTD.shape
-        out = dropless_reference(
-            x_BTD.reshape(B * T, D),
-            experts_BTk.reshape(B * T, -1),
-            weights_BTk.reshape(B * T, -1),
-            w_gate_EDF,
-            w_up_EDF,
-            w_down_EFD,
-        )
-        return out.reshape(B, T, D)
-    rules, mesh = active
+def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, *, reference):
+    """The dropless MoE on the active mesh. `reference(x_TD, experts_Tk, weights_Tk, w_gate, w_up,
+    w_down)` is the model's single-device computation (models.moe.dropless_reference), run where
+    the experts are not split; handed in so that this module needs nothing from models/."""
+    rules, mesh = active_sharding()
     expert_axes, tensor_axes = split_axes(rules, mesh, "expert"), split_axes(rules, mesh, "mlp")
-    n = int(np.prod([dict(mesh.shape)[a] for a in expert_axes])) if expert_axes else 1
+    n = axes_size(mesh.shape, expert_axes)
     ep = (expert_axes if len(expert_axes) > 1 else expert_axes[0]) if expert_axes else None
     tp = (tensor_axes if len(tensor_axes) > 1 else tensor_axes[0]) if tensor_axes else None
     P = jax.sharding.PartitionSpec
@@ -53,7 +42,7 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
         k = e_BTk.shape[-1]
         x_TD, e_M, w_M = x_BTD.reshape(B * T, D), e_BTk.reshape(-1), w_BTk.reshape(-1)
         if n == 1:
-            out = dropless_reference(x_TD, e_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), wg, wu, wd)
+            out = reference(x_TD, e_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), wg, wu, wd)
         else:
             out = _exchange(x_TD, e_M, w_M, k, wg, wu, wd, ep, n)
         if tp is not None:

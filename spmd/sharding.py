@@ -1,4 +1,9 @@
-"""From a model's logical axis names and a rules file to concrete shardings, checks and a table."""
+"""From a model's logical axis names and a rules file to concrete shardings, checks and a table.
+
+The model is any Flax NNX module class built as `model_cls(model_cfg, rngs=...)` whose parameters
+carry logical axes (`out_sharding` metadata) and which lists the activations it constrains in
+`ACTIVATION_AXES`; this module never names a particular model.
+"""
 
 import dataclasses
 import math
@@ -9,26 +14,37 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.llama import Decoder
-from spmd import context
+from spmd import context, moe
 from spmd import rules as rules_lib
 from spmd.errors import UserError
+from spmd.logical import TOKEN_AXES, activation_sharding
+from spmd.mesh import axes_size, format_axes, format_mesh, spec_axes
+
+# The parallel implementations handed to models through the seam (spmd.logical.provided).
+PARALLEL_OPS = {"context_attention": context.context_attention, "dropless_moe": moe.dropless}
+
+
+def activate(rules, mesh):
+    """Context in which a model traced constrains its activations by `rules` on `mesh` and finds
+    the parallel implementations it may need."""
+    return activation_sharding(rules, mesh, PARALLEL_OPS)
+
 
 # Share of parameter bytes that may stay replicated on a multi-device mesh before we warn.
 REPLICATED_WARN_FRACTION = 0.02
 
 
-def abstract_model(model_cfg, seed: int = 0):
+def abstract_model(model_cls, model_cfg, seed: int = 0):
     """(graphdef, abstract params State) without allocating anything."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(seed)))
+        model = nnx.eval_shape(lambda: model_cls(model_cfg, rngs=nnx.Rngs(seed)))
     return nnx.split(model, nnx.Param)
 
 
-def init_params(model_cfg, seed: int):
+def init_params(model_cls, model_cfg, seed: int):
     """Real parameters as a pure dict; call under jit with out_shardings so each device makes only its shards."""
     with nnx.use_eager_sharding(False):
-        model = Decoder(model_cfg, rngs=nnx.Rngs(seed))
+        model = model_cls(model_cfg, rngs=nnx.Rngs(seed))
     return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
 
 
@@ -44,6 +60,7 @@ class ParamInfo:
     dtype: np.dtype
     spec: PartitionSpec
     local_shape: tuple[int, ...]
+    weight_decay: bool = True  # declared by the model (RMSNorm scales say False)
 
     @property
     def bytes_per_device(self) -> int:
@@ -56,6 +73,8 @@ class ParamInfo:
 
 @dataclasses.dataclass
 class ShardingPlan:
+    model_cls: type  # the NNX module class the plan was made for
+    model_cfg: object  # its config (models.llama.ModelConfig)
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
     graphdef: nnx.GraphDef
@@ -75,10 +94,9 @@ class ShardingPlan:
 
     def replicated_fraction(self) -> float:
         """Share of parameter bytes held whole by every device (no mesh axis of size > 1)."""
-        sizes = dict(self.mesh.shape)
 
         def sharded(p):
-            return any(sizes[a] > 1 for e in p.spec if e for a in ((e,) if isinstance(e, str) else e))
+            return any(self.mesh.shape[a] > 1 for e in p.spec for a in spec_axes(e))
 
         whole = sum(p.bytes_total for p in self.params if not sharded(p))
         return whole / max(1, self.param_bytes_total)
@@ -95,27 +113,38 @@ class ShardingPlan:
             f"the model's large axes (e.g. embed, mlp, vocab) to mesh axes of size > 1"
         )
 
+    def activate(self):
+        """Context for tracing the model under this plan's rules and mesh (see `activate`)."""
+        return activate(self.rules, self.mesh)
+
+    def init_params(self, seed: int):
+        """Real parameters (pure dict) of this plan's model; call under jit with `param_shardings`."""
+        return init_params(self.model_cls, self.model_cfg, seed)
+
 
 def _local_shape(shape, spec, sizes) -> tuple[int, ...]:
     out = []
     for i, size in enumerate(shape):
-        entry = spec[i] if i < len(spec) else None
-        axes = () if not entry else (entry,) if isinstance(entry, str) else entry
-        out.append(size // math.prod(sizes[a] for a in axes))
+        out.append(size // axes_size(sizes, spec_axes(spec[i] if i < len(spec) else None)))
     return tuple(out)
 
 
 def plan(
-    model_cfg, mesh, rules: rules_lib.Rules, global_batch_size: int, seq_len: int, microbatches: int = 1
+    model_cls,
+    model_cfg,
+    mesh,
+    rules: rules_lib.Rules,
+    global_batch_size: int,
+    seq_len: int,
+    microbatches: int = 1,
 ) -> ShardingPlan:
     """Validate the rules against the model and mesh, and resolve every sharding."""
-    graphdef, abstract = abstract_model(model_cfg)
-    sizes = dict(mesh.shape)
+    graphdef, abstract = abstract_model(model_cls, model_cfg)
+    sizes = mesh.shape
     flat = [(path_str(path), var) for path, var in nnx.to_flat_state(abstract)]
     specs = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
     shapes = {p: tuple(v.shape) for p, v in flat}
-    batch_logical = ("batch", "seq")
-    act_specs = {"batch tokens": batch_logical, **Decoder.ACTIVATION_AXES}
+    act_specs = {"batch tokens": TOKEN_AXES, **model_cls.ACTIVATION_AXES}
     micro = global_batch_size // microbatches
     act_shapes = {
         "batch tokens": (micro, seq_len),
@@ -124,9 +153,9 @@ def plan(
     }
     if model_cfg.n_experts:
         expert_axes = rules.mapping.get("expert", ())
-        n = math.prod(sizes[a] for a in expert_axes)
+        n = axes_size(sizes, expert_axes)
         if model_cfg.n_experts % n:
-            where = " x ".join(f"{a}={sizes[a]}" for a in expert_axes)
+            where = format_axes(sizes, expert_axes)
             raise UserError(
                 f"model.n_experts ({model_cfg.n_experts}) does not divide by the expert mesh axes "
                 f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis"
@@ -140,7 +169,15 @@ def plan(
     for p, v in flat:
         spec = rules.spec(specs[p])
         infos.append(
-            ParamInfo(p, specs[p], shapes[p], np.dtype(v.dtype), spec, _local_shape(shapes[p], spec, sizes))
+            ParamInfo(
+                p,
+                specs[p],
+                shapes[p],
+                np.dtype(v.dtype),
+                spec,
+                _local_shape(shapes[p], spec, sizes),
+                weight_decay=bool(v.get_metadata().get("weight_decay", True)),
+            )
         )
     by_path = {i.path: i for i in infos}
 
@@ -153,13 +190,15 @@ def plan(
         lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(path, x)), pure
     )
     return ShardingPlan(
+        model_cls=model_cls,
+        model_cfg=model_cfg,
         mesh=mesh,
         rules=rules,
         graphdef=graphdef,
         abstract_params=abstract_params,
         params=infos,
         param_shardings=param_shardings,
-        batch_sharding=rules.sharding(mesh, batch_logical),
+        batch_sharding=rules.sharding(mesh, TOKEN_AXES),
         replicated=NamedSharding(mesh, PartitionSpec()),
     )
 
@@ -208,9 +247,8 @@ def sharding_table(p: ShardingPlan, opt_state_abstract=None) -> str:
         for r in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
-    mesh_desc = ",".join(f"{a}={s}" for a, s in p.mesh.shape.items() if s > 1) or "single device"
     lines.append("")
-    lines.append(f"mesh: {mesh_desc} ({p.mesh.size} devices); rules: {p.rules.name}")
+    lines.append(f"mesh: {format_mesh(p.mesh.shape)} ({p.mesh.size} devices); rules: {p.rules.name}")
     lines.append(
         f"parameters: {sum(math.prod(i.shape) for i in p.params):,} ({fmt_bytes(p.param_bytes_total)} in all)"
     )

@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd import context
 from spmd import sharding as sharding_lib
-from spmd.logical import activation_sharding
 
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32}
 
@@ -46,10 +45,10 @@ def make_optimizer(train_cfg, decay_mask) -> optax.GradientTransformation:
 
 
 def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
-    """True for parameters that get weight decay: everything but norm scales."""
+    """True for parameters that get weight decay, as each parameter declares (norm scales don't)."""
     by_path = {i.path: i for i in plan.params}
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: "norm" not in by_path[sharding_lib.path_str(path)].logical, plan.abstract_params
+        lambda path, _: by_path[sharding_lib.path_str(path)].weight_decay, plan.abstract_params
     )
 
 
@@ -136,7 +135,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     state_shardings = {"params": plan.param_shardings, "opt_state": opt_shardings, "step": plan.replicated}
 
     def init():
-        params = sharding_lib.init_params(cfg.model, tcfg.seed)
+        params = plan.init_params(tcfg.seed)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
@@ -182,7 +181,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         return grads, sums
 
     def train_step(state, batch: Batch):
-        with activation_sharding(rules, mesh):
+        with plan.activate():
             grads, (ce_sum, z_sum, count, moe) = grads_and_sums(state["params"], batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
@@ -209,18 +208,6 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             )
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    def eval_step(params, batch: Batch):
-        with activation_sharding(rules, mesh):
-            _, (ce_sum, _, count, _) = token_losses(
-                graphdef,
-                params,
-                batch,
-                z_loss=0.0,
-                mask_token_id=cfg.data.mask_token_id,
-                seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]),
-            )
-        return ce_sum, count
-
     batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
     return Trainer(
         cfg=cfg,
@@ -233,17 +220,44 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             out_shardings=(state_shardings, plan.replicated),
             donate_argnums=0,
         ),
-        eval_step=jax.jit(
-            eval_step, in_shardings=(plan.param_shardings, batch_shardings), out_shardings=plan.replicated
-        ),
+        eval_step=build_eval_step(cfg, plan),
         init_state=jax.jit(init, out_shardings=state_shardings),
     )
 
 
+def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
+    """Jitted (params, batch) -> (summed cross-entropy, counted tokens): needs no optimizer, so
+    evaluation and sampling build only this."""
+    rules, mesh = plan.rules, plan.mesh
+
+    def eval_step(params, batch: Batch):
+        with plan.activate():
+            _, (ce_sum, _, count, _) = token_losses(
+                plan.graphdef,
+                params,
+                batch,
+                z_loss=0.0,
+                mask_token_id=cfg.data.mask_token_id,
+                seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]),
+            )
+        return ce_sum, count
+
+    batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+    return jax.jit(
+        eval_step, in_shardings=(plan.param_shardings, batch_shardings), out_shardings=plan.replicated
+    )
+
+
+def held_out_sums(eval_step, params, batches, n_batches: int) -> tuple[float, float]:
+    """(summed cross-entropy, counted tokens) over the first `n_batches` held-out batches."""
+    total, count = 0.0, 0.0
+    for i in range(n_batches):
+        ce_sum, n = eval_step(params, batches.eval_batch(i))
+        total, count = total + float(ce_sum), count + float(n)
+    return total, count
+
+
 def evaluate(trainer: Trainer, params, batches) -> float:
     """Mean held-out cross-entropy per counted token over `eval_batches` fixed batches."""
-    total, count = 0.0, 0.0
-    for i in range(trainer.cfg.train.eval_batches):
-        ce_sum, n = trainer.eval_step(params, batches.eval_batch(i))
-        total, count = total + float(ce_sum), count + float(n)
+    total, count = held_out_sums(trainer.eval_step, params, batches, trainer.cfg.train.eval_batches)
     return total / max(count, 1.0)

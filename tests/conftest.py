@@ -26,23 +26,10 @@ def devices():
 
 def run_training(cfg, mesh_spec: str, rules_name: str, steps: int, devices=None):
     """Train `steps` steps in-process; return (losses, params as host numpy, trainer)."""
-    from spmd import sharding as sharding_lib
-    from spmd.data import make_batches
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
-    mesh = build_mesh(mesh_spec, devices=devices)
-    plan = sharding_lib.plan(
-        cfg.model,
-        mesh,
-        load_rules(rules_name).with_attention(cfg.attention),
-        cfg.train.global_batch_size,
-        cfg.train.seq_len,
-        cfg.train.microbatches,
-    )
-    trainer = build_trainer(cfg, plan)
-    batches = make_batches(cfg, plan.batch_sharding)
+    setup = assemble(cfg, mesh_spec, rules_name, devices=devices)
+    trainer, batches = setup.trainer, setup.batches()
     state = trainer.init_state()
     losses = []
     for step in range(steps):

@@ -10,23 +10,18 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from spmd import distributed  # noqa: E402
-from spmd.cli import _env_host_devices, _set_host_devices  # noqa: E402
+from spmd.cli.common import env_host_devices, set_host_devices  # noqa: E402
 
 out = pathlib.Path(sys.argv[1])
-_set_host_devices(_env_host_devices())
+set_host_devices(env_host_devices())
 distributed.initialize(
     argparse.Namespace(
         coordinator=None, num_processes=None, process_id=None, init_timeout=60, heartbeat_timeout=30
     )
 )
-from spmd.config import load_config  # noqa: E402
-from spmd.data import make_batches  # noqa: E402
-from spmd.mesh import build_mesh  # noqa: E402
-from spmd.rules import load_rules  # noqa: E402
+from spmd.setup import assemble  # noqa: E402
 
-cfg = load_config("tiny", ["train.global_batch_size=16"])
-mesh = build_mesh(sys.argv[2])
-batches = make_batches(cfg, load_rules("fsdp").sharding(mesh, ("batch", "seq")))
+batches = assemble("tiny", sys.argv[2], "fsdp", overrides=["train.global_batch_size=16"]).batches()
 rows = batches.local_rows
 for step in range(3):
     batch = batches.train_batch(step)

@@ -111,17 +111,11 @@ def test_model_trains_like_xla(single_device_run, devices, impl):
 def test_chunked_train_step_memory_grows_linearly(devices):
     """Compiled, not run: doubling T at most doubles (plus slack) the chunked step's temporaries,
     while xla attention's quadruple. Guards against residuals that bring back O(T^2)."""
-    from spmd import sharding as sharding_lib
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
     def temp_bytes(impl, T):
-        cfg = load_config(
-            "tiny", [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]
-        )
-        plan = sharding_lib.plan(cfg.model, build_mesh("", devices=jax.devices()[:1]), load_rules("dp"), 1, T)
-        trainer = build_trainer(cfg, plan)
+        sets = [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]
+        trainer = assemble("tiny", "", "dp", overrides=sets, devices=jax.devices()[:1]).trainer
         batch = trainer.abstract_batch(1, T)
         state = trainer.abstract_state
         return trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes

@@ -1,27 +1,18 @@
 """Checkpoints restored onto other meshes, rules and device counts; compatibility errors; data position."""
 
-import types
-
 import jax
 import numpy as np
 import pytest
 
 from spmd import checkpoint as ckpt
-from spmd import sharding as sharding_lib
 from spmd.config import load_config
-from spmd.data import make_batches
 from spmd.errors import UserError
-from spmd.mesh import build_mesh
-from spmd.rules import load_rules
-from spmd.train import build_trainer
+from spmd.setup import assemble
 
 
 def setup(cfg, mesh_spec, rules, n_devices):
-    mesh = build_mesh(mesh_spec, devices=jax.devices()[:n_devices])
-    plan = sharding_lib.plan(
-        cfg.model, mesh, load_rules(rules), cfg.train.global_batch_size, cfg.train.seq_len
-    )
-    return build_trainer(cfg, plan), make_batches(cfg, plan.batch_sharding)
+    s = assemble(cfg, mesh_spec, rules, devices=jax.devices()[:n_devices])
+    return s.trainer, s.batches()
 
 
 def train(trainer, batches, state, steps):
@@ -102,15 +93,13 @@ def test_locate_errors(tmp_path):
 def test_changed_global_batch_continues_the_sample_stream(tiny_cfg, devices, tmp_path):
     """Saved at step 4 with B=8 (32 samples consumed); resumed with B=16: step 4 draws samples 32..47,
     exactly what the B=8 run would have drawn at its steps 4 and 5; the step counter stays 4."""
-    from spmd.cli import _initial_state
-
     trainer, batches = setup(tiny_cfg, "fsdp=8", "fsdp", 8)
     state, _ = train(trainer, batches, trainer.init_state(), range(4))
     save(tmp_path, state, 4, batches)
     big = load_config("tiny", ["train.global_batch_size=16"])
     trainer16, batches16 = setup(big, "fsdp=8", "fsdp", 8)
-    args = types.SimpleNamespace(resume_from=str(tmp_path), overwrite=False)
-    restored, step, warnings = _initial_state(args, big, trainer16, batches16, tmp_path / "elsewhere")
+    start = ckpt.resume_or_init(trainer16, batches16, tmp_path / "elsewhere", resume_from=str(tmp_path))
+    restored, step, warnings = start.state, start.step, start.notes
     assert step == 4 and int(restored["step"]) == 4
     np.testing.assert_array_equal(
         batches16.global_numpy_batch(4),
@@ -118,3 +107,37 @@ def test_changed_global_batch_continues_the_sample_stream(tiny_cfg, devices, tmp
     )
     assert batches16.consumed_samples(5) == 32 + 16
     assert any("global batch size changed from 8 to 16" in w for w in warnings)
+
+
+def test_resume_or_init_prefers_the_run_dirs_latest_commit_unless_overwritten(tiny_cfg, devices, tmp_path):
+    trainer, batches = setup(tiny_cfg, "fsdp=8", "fsdp", 8)
+    fresh = ckpt.resume_or_init(trainer, batches, tmp_path)
+    assert fresh.step == 0 and fresh.notes == []
+    state, _ = train(trainer, batches, fresh.state, range(2))
+    saved = jax.tree.map(np.asarray, jax.device_get(state))
+    save(tmp_path, state, 2, batches)
+    resumed = ckpt.resume_or_init(trainer, batches, tmp_path)
+    assert resumed.step == 2 and "resumed from" in resumed.notes[0]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state), saved)
+    assert ckpt.resume_or_init(trainer, batches, tmp_path, overwrite=True).step == 0
+
+
+def test_restore_params_reads_only_the_parameters_onto_another_mesh(tiny_cfg, devices, tmp_path):
+    """Evaluation and sampling restore a subtree: the parameters, laid out for the new mesh, with
+    no optimizer state built or read."""
+    trainer, batches = setup(tiny_cfg, "fsdp=8", "fsdp", 8)
+    state, _ = train(trainer, batches, trainer.init_state(), range(2))
+    saved = jax.tree.map(np.asarray, jax.device_get(state["params"]))
+    save(tmp_path, state, 2, batches)
+    target = assemble(tiny_cfg, "data=2,tensor=2", "tp", devices=jax.devices()[:4], optimizer=False)
+    assert target.trainer is None
+    params, meta = ckpt.restore_params(tmp_path / ckpt.SUBDIR, 2, target.plan.abstract_params)
+    assert meta["consumed_samples"] == 16
+    for x, want, sharding in zip(
+        jax.tree.leaves(params), jax.tree.leaves(saved), jax.tree.leaves(target.plan.param_shardings)
+    ):
+        np.testing.assert_array_equal(np.asarray(x), want)
+        assert x.sharding.is_equivalent_to(sharding, x.ndim) and len(x.sharding.device_set) == 4
+    other = assemble(load_config("tiny", ["model.d_ff=128"]), "fsdp=8", "fsdp", optimizer=False)
+    with pytest.raises(UserError, match=r"w_down_FD has shape \(2, 192, 64\) but this config needs"):
+        ckpt.restore_params(tmp_path / ckpt.SUBDIR, 2, other.plan.abstract_params)

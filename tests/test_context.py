@@ -15,9 +15,9 @@ from kernels.flash_attention import attention_reference
 from models.attention import xla_attention
 from spmd import context, hlo
 from spmd.config import AttentionConfig
-from spmd.logical import activation_sharding
 from spmd.mesh import build_mesh
 from spmd.rules import load_rules
+from spmd.sharding import activate
 
 MODES = {"ring": "cp_ring", "ulysses": "cp_ulysses", "allgather": "allgather"}
 
@@ -39,7 +39,7 @@ def sharded_attention(mode, n, devices, causal, seg, layout=None):
         perm = context.seq_permutation(rules, mesh, T)
         perm = np.arange(T) if perm is None else perm
         pos = jnp.broadcast_to(jnp.asarray(perm, jnp.int32), q.shape[:2])
-        with activation_sharding(rules, mesh):
+        with activate(rules, mesh):
             out = context.context_attention(
                 q[:, perm],
                 k[:, perm],
@@ -156,15 +156,9 @@ def test_zigzag_balances_causal_work():
 
 
 def _hlo(mesh, rules, *sets):
-    from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
-    cfg = load_config("tiny", list(sets))
-    plan = sharding_lib.plan(
-        cfg.model, build_mesh(mesh), load_rules(rules).with_attention(cfg.attention), 8, 64
-    )
-    trainer = build_trainer(cfg, plan)
+    trainer = assemble("tiny", mesh, rules, overrides=sets).trainer
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch(8, 64)).compile().as_text()
 
 
@@ -226,17 +220,17 @@ def test_sequence_parallel_gathers_and_scatters_activations(devices):
 
 
 def test_errors_name_the_problem(devices):
-    from spmd import sharding as sharding_lib
     from spmd.config import load_config
     from spmd.errors import UserError
+    from spmd.setup import assemble
 
-    cfg = load_config("tiny")  # 4 heads, 2 kv heads, T=64
+    # tiny: 4 heads, 2 kv heads, T=64
     with pytest.raises(
         UserError,
         match="ulysses context parallelism over context=4 splits the heads 4 ways and the kv heads 4 ways",
     ):
-        sharding_lib.plan(cfg.model, build_mesh("data=2,context=4"), load_rules("cp_ulysses"), 8, 64)
+        assemble("tiny", "data=2,context=4", "cp_ulysses")
     with pytest.raises(UserError, match=r"train.seq_len \(40\) must divide by 16"):
-        sharding_lib.plan(cfg.model, build_mesh("context=8"), load_rules("cp_ring"), 8, 40)
+        assemble("tiny", "context=8", "cp_ring", overrides=["train.seq_len=40"])
     with pytest.raises(UserError, match="attention.context_parallel must be one of ring, ulysses, allgather"):
         load_config("tiny", ["attention.context_parallel=rings"])

@@ -81,16 +81,11 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, devices):
 
 
 def _one_step_metrics(cfg):
-    from spmd import sharding as sharding_lib
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
-    mesh = build_mesh("", devices=jax.devices()[:1])
-    plan = sharding_lib.plan(
-        cfg.model, mesh, load_rules("dp"), cfg.train.global_batch_size, cfg.train.seq_len
-    )
-    trainer = build_trainer(cfg, plan)
-    batch = make_batches(cfg, plan.batch_sharding).train_batch(0)
+    setup = assemble(cfg, "", "dp", devices=jax.devices()[:1])
+    trainer, plan = setup.trainer, setup.plan
+    batch = setup.batches().train_batch(0)
     state = trainer.init_state()
     logits = jax.jit(lambda p, x: __import__("flax").nnx.merge(plan.graphdef, p)(x))(
         state["params"], batch["inputs"]

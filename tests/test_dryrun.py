@@ -1,13 +1,13 @@
 """spmd-dryrun: exact per-device bytes, collectives that scale with depth, errors."""
 
 import json
-import types
 
 import pytest
 from test_cli import ROOT  # noqa: F401  (path setup shared with the CLI tests)
 from test_inference import run_script
 
 from spmd import dryrun
+from spmd.setup import assemble
 
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 192
 MATRICES = 4 * (V * D + D * V + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F))
@@ -15,8 +15,7 @@ NORMS = 4 * (2 * L + 1) * D
 
 
 def report(mesh, rules, *sets):
-    args = types.SimpleNamespace(config="tiny", mesh=mesh, rules=rules, set=list(sets), list=False)
-    return dryrun.run(args)
+    return dryrun.dry_run(assemble("tiny", mesh, rules, overrides=sets))
 
 
 @pytest.mark.parametrize(

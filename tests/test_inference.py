@@ -12,15 +12,15 @@ import pytest
 from flax import nnx
 from test_cli import ROOT, spmd_train
 
-from models.llama import KVCache, ModelConfig
+from models.llama import Decoder, KVCache, ModelConfig
 from spmd.sharding import abstract_model, init_params
 
 CFG = ModelConfig(dtype="float32")
 
 
 def test_kv_cache_decoding_equals_the_full_forward_pass():
-    graphdef, _ = abstract_model(CFG)
-    params = jax.jit(lambda: init_params(CFG, 0))()
+    graphdef, _ = abstract_model(Decoder, CFG)
+    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
     model = nnx.merge(graphdef, params)
     rng = np.random.default_rng()
     tokens = rng.integers(0, 256, (3, 20))
@@ -37,8 +37,8 @@ def test_kv_cache_decoding_equals_the_full_forward_pass():
 
 def test_left_padding_does_not_change_a_prompt(devices):
     """A short prompt padded on the left (as in a batch with a longer one) decodes as if alone."""
-    graphdef, _ = abstract_model(CFG)
-    params = jax.jit(lambda: init_params(CFG, 0))()
+    graphdef, _ = abstract_model(Decoder, CFG)
+    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
     model = nnx.merge(graphdef, params)
     prompt = np.random.default_rng().integers(0, 256, (1, 6))
     alone, _ = model(prompt, cache=KVCache.empty(CFG, 1, 6))

@@ -45,7 +45,7 @@ def test_gqa_attention_matches_repeated_kv(n_kv):
 
 
 def test_causal_and_parameter_count():
-    params = jax.jit(lambda: init_params(CFG, 0))()
+    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(CFG)
     tokens = np.random.default_rng().integers(0, 256, size=(2, 32))
     changed = tokens.copy()
@@ -57,14 +57,14 @@ def test_causal_and_parameter_count():
 
 def test_tied_embeddings_share_the_table():
     cfg = dataclasses.replace(CFG, tie_embeddings=True)
-    params = jax.jit(lambda: init_params(cfg, 0))()
+    params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
     assert "head_DV" not in params
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg)
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_changes_nothing_numerically(remat):
-    params = jax.jit(lambda: init_params(CFG, 0))()
+    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
 
     def loss(cfg):
@@ -76,7 +76,7 @@ def test_remat_changes_nothing_numerically(remat):
 
 
 def test_bf16_compute_keeps_fp32_params_and_close_logits():
-    params = jax.jit(lambda: init_params(CFG, 0))()
+    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
     lo = apply(dataclasses.replace(CFG, dtype="bfloat16"), params, tokens)
@@ -92,7 +92,7 @@ def test_flops_per_token_formula():
 
 
 def test_scan_unroll_changes_nothing_numerically():
-    params = jax.jit(lambda: init_params(CFG, 0))()
+    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
     np.testing.assert_allclose(
         apply(CFG, params, tokens),

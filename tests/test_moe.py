@@ -3,7 +3,6 @@ expert parallelism (both paths, with fsdp and tensor) equal to one device, all-t
 metrics, expert-parameter bytes, errors."""
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from models.llama import Decoder, count_params
 from models.moe import MoE, dispatch_masks, route
 from spmd import dryrun
 from spmd.config import load_config
+from spmd.setup import assemble
 
 LOGITS = np.array(
     [
@@ -116,14 +116,8 @@ def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rul
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_expert_parallel_exchanges_tokens_with_all_to_all(devices, dispatch):
-    args = types.SimpleNamespace(
-        config="tiny-moe",
-        mesh="data=2,expert=4",
-        rules="ep",
-        set=[f"model.moe_dispatch={dispatch}"],
-        list=False,
-    )
-    counts = {(c["kind"], tuple(c["axes"])): c["count"] for c in dryrun.run(args)["collectives"]}
+    setup = assemble("tiny-moe", "data=2,expert=4", "ep", overrides=[f"model.moe_dispatch={dispatch}"])
+    counts = {(c["kind"], tuple(c["axes"])): c["count"] for c in dryrun.dry_run(setup)["collectives"]}
     assert counts.get(("all-to-all", ("expert",)), 0) >= 2, counts  # out to the experts and back
 
 
@@ -148,12 +142,7 @@ def test_moe_metrics_and_parameter_count(devices, moe_reference):
 
 
 def test_expert_parameters_split_over_expert_axis(devices):
-    from spmd import sharding as sharding_lib
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-
-    cfg = load_config("small-moe")
-    plan = sharding_lib.plan(cfg.model, build_mesh("expert=8"), load_rules("ep"), 16, 128)
+    plan = assemble("small-moe", "expert=8", "ep").plan  # B=16, T=128
     experts = [p for p in plan.params if p.logical[:2] == ("layers", "expert")]  # stacked over layers
     assert len(experts) == 3  # gate, up, down
     total = sum(np.prod(p.shape) for p in experts)
@@ -162,10 +151,7 @@ def test_expert_parameters_split_over_expert_axis(devices):
 
 
 def test_errors(devices):
-    from spmd import sharding as sharding_lib
     from spmd.errors import UserError
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
 
     with pytest.raises(UserError, match=r"model.top_k \(9\) must be between 1 and model.n_experts \(8\)"):
         load_config("tiny-moe", ["model.top_k=9"])
@@ -173,7 +159,7 @@ def test_errors(devices):
     with pytest.raises(
         UserError, match=r"model.n_experts \(6\) does not divide by the expert mesh axes expert=4"
     ):
-        sharding_lib.plan(cfg.model, build_mesh("data=2,expert=4"), load_rules("ep"), 8, 64)
+        assemble(cfg, "data=2,expert=4", "ep")
 
 
 def test_decoder_with_moe_decodes_like_full_forward():

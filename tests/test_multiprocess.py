@@ -225,13 +225,9 @@ def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert result.returncode == 0, result.stderr[-3000:]
-    from spmd.config import load_config
-    from spmd.data import make_batches
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
+    from spmd.setup import assemble
 
-    cfg = load_config("tiny", ["train.global_batch_size=16"])
-    single = make_batches(cfg, load_rules("fsdp").sharding(build_mesh("data=2,fsdp=4"), ("batch", "seq")))
+    single = assemble("tiny", "data=2,fsdp=4", "fsdp", overrides=["train.global_batch_size=16"]).batches()
     rows = [tuple(np.load(tmp_path / f"p{i}_rows.npy")) for i in range(2)]
     assert rows == [(0, 8), (8, 16)]
     for step in range(3):

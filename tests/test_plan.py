@@ -97,3 +97,13 @@ def test_bad_budget_is_an_error():
 )
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_one_hardware_table_serves_mfu_and_the_planner():
+    from spmd.hardware import chip_for, planner_chips
+    from spmd.plan import hardware
+
+    assert chip_for("NVIDIA H100 80GB HBM3")[0] == "h100" and chip_for("TPU v5 lite")[0] == "tpu-v5e"
+    assert chip_for("cpu") is None  # a CPU's peak is measured, never looked up
+    assert {"h100", "a100", "tpu-v5p"} <= set(planner_chips()) and "l4" not in planner_chips()
+    assert hardware("h100", ici_gbps=100) == {"peak": 989e12, "ici": 100e9, "dcn": 50e9}

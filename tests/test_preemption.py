@@ -57,15 +57,9 @@ def losses(run_dir):
 
 
 def final_params(run_dir, step):
-    from spmd import sharding as sharding_lib
-    from spmd.config import load_config
-    from spmd.mesh import build_mesh
-    from spmd.rules import load_rules
-    from spmd.train import build_trainer
+    from spmd.setup import assemble
 
-    cfg = load_config("tiny")
-    plan = sharding_lib.plan(cfg.model, build_mesh("", devices=jax.devices()[:1]), load_rules("dp"), 8, 64)
-    trainer = build_trainer(cfg, plan)
+    trainer = assemble("tiny", "", "dp", devices=jax.devices()[:1]).trainer
     state, _ = ckpt.restore(run_dir / ckpt.SUBDIR, step, trainer.abstract_state)
     return jax.tree.map(np.asarray, jax.device_get(state))
 
@@ -137,7 +131,7 @@ def test_sigterm_saves_the_current_step_and_exits_0(tmp_path):
 
 
 def test_second_signal_handler_exits_at_once(monkeypatch):
-    from spmd.cli import Preemption
+    from spmd.loop import Preemption
 
     exits = []
     monkeypatch.setattr("os._exit", lambda code: exits.append(code))

@@ -7,18 +7,14 @@ import jax
 import pytest
 
 from spmd import sharding as sharding_lib
-from spmd.mesh import build_mesh
-from spmd.rules import load_rules
+from spmd.setup import assemble
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 LAYOUTS = {"dp": "data=8", "fsdp": "fsdp=8", "tp": "data=4,tensor=2", "fsdp_tp": "data=2,fsdp=2,tensor=2"}
 
 
 def resolved(cfg, rules_name):
-    mesh = build_mesh(LAYOUTS[rules_name])
-    return sharding_lib.plan(
-        cfg.model, mesh, load_rules(rules_name), cfg.train.global_batch_size, cfg.train.seq_len
-    )
+    return assemble(cfg, LAYOUTS[rules_name], rules_name).plan
 
 
 def golden_text(plan) -> str:
@@ -43,12 +39,11 @@ def test_golden_shardings(tiny_cfg, devices, rules_name):
 
 
 def test_fsdp_bytes_per_device(tiny_cfg, devices):
-    plan = resolved(tiny_cfg, "fsdp")
+    setup = assemble(tiny_cfg, LAYOUTS["fsdp"], "fsdp")
+    plan = setup.plan
     assert plan.param_bytes_per_device <= 1.05 * plan.param_bytes_total / 8
     # The per-device bytes are what the arrays really hold.
-    from spmd.train import build_trainer
-
-    state = build_trainer(tiny_cfg, plan).init_state()
+    state = setup.trainer.init_state()
     on_device0 = sum(
         s.data.nbytes
         for x in jax.tree.leaves(state["params"])
@@ -69,19 +64,33 @@ def test_warns_when_rules_leave_params_replicated(tiny_cfg, devices, tmp_path):
         (sharding_lib.rules_lib.PRESET_DIR / "fsdp.toml").read_text().replace('embed = "fsdp"', "embed = []")
     )
     (tmp_path / "oops.toml").write_text(text)
-    plan = sharding_lib.plan(
-        tiny_cfg.model, build_mesh("fsdp=8"), load_rules(str(tmp_path / "oops.toml")), 8, 64
-    )
+    plan = assemble(tiny_cfg, "fsdp=8", str(tmp_path / "oops.toml")).plan
     assert plan.replicated_fraction() == 1.0
     assert "100% of parameter bytes stay replicated" in plan.replication_warning()
 
 
 def test_table_lists_every_parameter_and_totals(tiny_cfg, devices):
-    from spmd.train import build_trainer
-
-    plan = resolved(tiny_cfg, "fsdp_tp")
-    table = sharding_lib.sharding_table(plan, build_trainer(tiny_cfg, plan).abstract_state["opt_state"])
+    setup = assemble(tiny_cfg, LAYOUTS["fsdp_tp"], "fsdp_tp")
+    plan = setup.plan
+    table = sharding_lib.sharding_table(plan, setup.trainer.abstract_state["opt_state"])
     for p in plan.params:
         assert p.path in table
     assert "layers/attn/wq_DNH" in table and "P(-, fsdp, tensor, -)" in table
     assert "per device: params" in table and "optimizer state" in table
+
+
+def test_weight_decay_follows_the_parameters_declaration(tiny_cfg, devices):
+    """Norm scales declare weight_decay=False (models/layers.py); every matrix is decayed."""
+    import jax
+
+    from spmd.train import decay_mask
+
+    plan = resolved(tiny_cfg, "fsdp")
+    mask = {
+        "/".join(str(k.key) for k in path): v
+        for path, v in jax.tree_util.tree_leaves_with_path(decay_mask(plan))
+    }
+    assert {p for p, decayed in mask.items() if not decayed} == {
+        "layers/attn_norm/scale_D", "layers/mlp_norm/scale_D", "final_norm/scale_D",
+    }  # fmt: skip
+    assert all(info.weight_decay == ("norm" not in info.logical) for info in plan.params)

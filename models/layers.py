@@ -1,0 +1,82 @@
+"""Layers shared by the decoder and the mixture of experts: the flattened projection, parameters
+with logical axes, RMSNorm, RoPE and the SwiGLU MLP.
+
+Legend: B batch, T sequence, D embed (d_model), N query heads, H head dim, F mlp hidden.
+`cfg` is always a models.llama.ModelConfig.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd.logical import can_merge
+
+
+def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
+    """Contract the last `n_in` axes of x with the first `n_in` axes of w, as one 2-D matmul.
+
+    Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
+    contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands: the
+    `small` MLP's backward took 1.5x longer, so we flatten. On GPU/TPU this is free either way.
+    When the sequence is split over devices (context parallelism) flattening (B, T) would scatter
+    each device's tokens across the merged axis, so the dot keeps the leading axes instead.
+    """
+    lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
+    if not can_merge(lead_axes):
+        return jax.lax.dot_general(
+            x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+        )
+    y = x.reshape(math.prod(lead), -1) @ w.reshape(math.prod(w.shape[:n_in]), -1)
+    return y.reshape(*lead, *out)
+
+
+def param(rngs, cfg, shape, logical, std=None):
+    """A parameter drawn from N(0, std) (default `cfg.init_std`) carrying its logical axes."""
+    init = nnx.initializers.normal(cfg.init_std if std is None else std)
+    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), out_sharding=logical)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        # Scales are not decayed towards 0 (that would shrink the normalised signal): the optimizer
+        # reads this declared property, not the parameter's name.
+        self.scale_D = nnx.Param(
+            jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), out_sharding=("norm",), weight_decay=False
+        )
+
+    def __call__(self, x_BTD):
+        x = x_BTD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale_D[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (y * scale).astype(x_BTD.dtype)
+
+
+def rope(x_BTNH, positions_BT, theta: float):
+    """Rotary embedding, computed in fp32; pairs dimension i with i + H/2 (Llama layout)."""
+    half = x_BTNH.shape[-1] // 2
+    freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h[None, None, :]
+    cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        D, F = cfg.d_model, d_ff or cfg.d_ff
+        self.w_gate_DF = param(rngs, cfg, (D, F), ("embed", "mlp"))
+        self.w_up_DF = param(rngs, cfg, (D, F), ("embed", "mlp"))
+        self.w_down_FD = param(
+            rngs, cfg, (F, D), ("mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        )
+
+    def __call__(self, x_BTD):
+        dt = x_BTD.dtype
+        gate_BTF = project(x_BTD, self.w_gate_DF[...].astype(dt))  # BTD,DF->BTF
+        up_BTF = project(x_BTD, self.w_up_DF[...].astype(dt))  # BTD,DF->BTF
+        return project(jax.nn.silu(gate_BTF) * up_BTF, self.w_down_FD[...].astype(dt))  # BTF,FD->BTD

@@ -1,0 +1,1 @@
+"""The console scripts, one module each; shared plumbing in `common`."""

@@ -1,0 +1,84 @@
+"""What every command shares: the argument parser, simulated host devices, logging to stderr, and
+the one wrapper that turns bad input (UserError) into a single `error:` line and exit code 2."""
+
+import argparse
+import os
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error:` line and exit 2, like every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def env_host_devices() -> int | None:
+    """$SPMD_HOST_DEVICES (set by spmd-launch for each process), or None."""
+    value = os.environ.get("SPMD_HOST_DEVICES")
+    return int(value) if value and value.isdigit() else None
+
+
+def add_host_devices(
+    p: argparse.ArgumentParser, help: str = "simulate N CPU devices", from_env: bool = False
+) -> None:
+    """--host-devices; `from_env`: defaults to $SPMD_HOST_DEVICES (commands spmd-launch runs)."""
+    if from_env:
+        p.add_argument(
+            "--host-devices", type=int, default=env_host_devices(), help=f"{help} [$SPMD_HOST_DEVICES]"
+        )
+    else:
+        p.add_argument("--host-devices", type=int, help=help)
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """Which checkpoint to load and onto which mesh (spmd-eval, spmd-sample)."""
+    p.add_argument(
+        "--run-dir", required=True, help="a training run directory (or a checkpoints dir, or one step)"
+    )
+    p.add_argument("--step", type=int, help="a committed step [latest]")
+    p.add_argument("--mesh", default="fsdp=-1", help="mesh to load onto [fsdp=-1]")
+    p.add_argument("--rules", help="sharding rules [the run's own]")
+    add_host_devices(p)
+
+
+def set_host_devices(n: int) -> None:
+    """Use the CPU backend with `n` simulated devices. Must run before JAX initialises a backend."""
+    from spmd.errors import UserError
+
+    if n < 1:
+        raise UserError(f"--host-devices must be positive, got {n}")
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise UserError("--host-devices must take effect before JAX starts; it was given too late")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def exit_now(code: int) -> int:
+    """Exit without running interpreter shutdown: Orbax/TensorStore worker threads that are still
+    failing on a broken checkpoint would otherwise print tracebacks after our one `error:` line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_main(parser: argparse.ArgumentParser, body, argv=None) -> int:
+    """Parse `argv`, apply --host-devices (when the command has it), run `body(args)`; bad input
+    anywhere becomes one `error:` line on stderr and exit code 2."""
+    args = parser.parse_args(argv)
+    from spmd.errors import UserError, report
+
+    try:
+        if getattr(args, "host_devices", None) is not None:
+            set_host_devices(args.host_devices)
+        return body(args)
+    except UserError as e:
+        report(e)
+        return exit_now(2)

@@ -1,0 +1,51 @@
+"""`spmd-eval`: held-out loss, perplexity and bits per byte of a run's checkpoint, on any mesh."""
+
+import argparse
+import json
+import sys
+
+from spmd.cli.common import Parser, add_checkpoint_flags, run_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="spmd-eval", description="Held-out loss, perplexity and bits per byte of a checkpoint.")
+    add_checkpoint_flags(p)
+    p.add_argument(
+        "--data",
+        help="evaluate on this data's held-out split instead of the run's (same formats as data.path)",
+    )
+    p.add_argument(
+        "--batches", type=int, help="number of held-out batches [train.eval_batches, as logged in training]"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), run, argv)
+
+
+def run(args) -> int:
+    from spmd import inference
+    from spmd.errors import UserError
+
+    if args.batches is not None and args.batches < 1:
+        raise UserError(f"--batches must be positive, got {args.batches}")
+    overrides = [f"data.path={args.data}"] if args.data else []
+    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
+    batches = loaded.setup.batches()
+    result = inference.evaluate(loaded, batches, args.batches or loaded.cfg.train.eval_batches)
+    result["data"] = batches.description
+    if args.json:
+        print(json.dumps(result))
+    else:
+        bpb = f", {result['bits_per_byte']:.4f} bits per byte" if result["bits_per_byte"] is not None else ""
+        print(
+            f"step {result['step']}: loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
+            f"{bpb} ({result['tokens']:,} held-out tokens in {result['batches']} batches; {result['data']})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

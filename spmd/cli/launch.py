@@ -1,0 +1,44 @@
+"""`spmd-launch`: run N processes of a command on this machine as one jax.distributed job (spmd.launch)."""
+
+import argparse
+import sys
+
+from spmd.cli.common import Parser, run_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spmd import launch
+
+    p = Parser(
+        prog="spmd-launch",
+        description=launch.__doc__.split("\n\n")[0],
+        epilog="example: spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=8",
+    )
+    p.add_argument("--processes", type=int, required=True, help="number of processes")
+    # Its own dest: the devices are each child's, so the launcher itself never sets them up.
+    p.add_argument(
+        "--host-devices", dest="child_host_devices", type=int, help="simulated CPU devices per process"
+    )
+    p.add_argument("--port", type=int, help="coordinator port [a free one]")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run in every process")
+    return p
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), run, argv)
+
+
+def run(args) -> int:
+    from spmd.errors import UserError
+    from spmd.launch import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UserError("give the command to run after --, e.g. spmd-launch --processes 2 -- spmd-train ...")
+    if args.processes < 1:
+        raise UserError(f"--processes must be positive, got {args.processes}")
+    return launch(args.processes, command, args.child_host_devices, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""`spmd-plan`: choose a mesh and rules preset for a model on N devices within a memory budget
+(the search itself is spmd.plan)."""
+
+import argparse
+import sys
+
+from spmd.cli.common import Parser, add_host_devices, run_main, set_host_devices
+from spmd.hardware import planner_chips
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spmd import plan
+
+    p = Parser(prog="spmd-plan", description=plan.__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="small")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--memory-per-device", required=True, help="e.g. 80GiB")
+    p.add_argument(
+        "--dcn",
+        type=int,
+        default=1,
+        help="hosts (slices) the devices span; cross-host axes use DCN bandwidth",
+    )
+    p.add_argument("--hardware", default="h100", choices=planner_chips())
+    p.add_argument("--peak-tflops", type=float)
+    p.add_argument("--ici-gbps", type=float)
+    p.add_argument("--dcn-gbps", type=float)
+    p.add_argument(
+        "--candidates", type=int, default=6, help="dry-run down the ranking until this many layouts fit [6]"
+    )
+    p.add_argument(
+        "--max-compiles", type=int, help="stop dry-running after this many compiles [4 x --candidates]"
+    )
+    p.add_argument(
+        "--axes",
+        help="mesh axes to search, e.g. data,fsdp,context,tensor "
+        "[data,fsdp,tensor; with expert for MoE models]",
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_host_devices(p, "fake CPU devices [--devices]", from_env=True)
+    return p
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), run, argv)
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds:.3f}s" if seconds >= 0.1 else f"{seconds * 1e3:.3f}ms"
+
+
+def run(args) -> int:
+    from spmd import plan
+    from spmd.config import load_config
+    from spmd.sharding import fmt_bytes
+
+    if args.host_devices is None:
+        set_host_devices(args.devices)
+    cfg = load_config(args.config, args.set)
+    budget = plan.parse_bytes(args.memory_per_device)
+    hw = plan.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
+    found = plan.search(cfg, args.devices, budget, hw, args.dcn, plan.search_axes(cfg, args.axes), args.candidates,
+                        args.max_compiles)  # fmt: skip
+
+    print(
+        f"{cfg.name} on {args.devices} devices ({args.hardware}: {hw['peak'] / 1e12:.0f} TFLOP/s, "
+        f"ICI {hw['ici'] / 1e9:.0f} GB/s, DCN {hw['dcn'] / 1e9:.0f} GB/s, {args.dcn} host(s)), "
+        f"budget {fmt_bytes(budget)} per device\n"
+    )
+    print("best layouts (dry-run compiled; step time = compute + communication, not overlapped):")
+    for i, c in enumerate(found.ranked[:5], 1):
+        print(
+            f"  {i}. --mesh {c['mesh']} --rules {c['rules']}: est. step {_t(c['step_s'])} "
+            f"(compute {_t(c['compute_s'])} + comm {_t(c['comm_s'])}"
+            + (f", DCN axes {','.join(c['dcn_axes'])}" if c["dcn_axes"] else "")
+            + f"); needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}"
+        )
+    if not found.ranked:
+        print("  none fits; more devices, microbatches (--set train.microbatches=N) or remat would help")
+    if found.fit_by_analytic_memory > found.compiled:
+        max_compiles = args.max_compiles if args.max_compiles is not None else 4 * args.candidates
+        print(
+            f"  ({found.fit_by_analytic_memory - found.compiled} more fit by analytic memory but were not compiled: "
+            "raise --candidates" + (" or --max-compiles)" if found.compiled == max_compiles else ")")
+        )
+    print(f"\nrejected ({len(found.rejected)}):")
+    for spec, preset, reason in found.rejected:
+        print(f"  --mesh {spec} --rules {preset}: {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

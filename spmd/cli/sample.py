@@ -1,0 +1,85 @@
+"""`spmd-sample`: text from a run's checkpoint with KV-cache decoding, on any mesh."""
+
+import argparse
+import codecs
+import pathlib
+import sys
+
+from spmd.cli.common import Parser, add_checkpoint_flags, log, run_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="spmd-sample", description="Generate text from a checkpoint with KV-cache decoding.")
+    add_checkpoint_flags(p)
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable: a batch)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line (a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy [0.8]")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all [40]")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), run, argv)
+
+
+def run(args) -> int:
+    from spmd import inference
+    from spmd.errors import UserError
+
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = no limit), got {args.top_k}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    texts = list(args.prompt or [])
+    if args.prompts_file:
+        path = pathlib.Path(args.prompts_file)
+        if not path.is_file():
+            raise UserError(f"prompts file {str(path)!r} not found")
+        texts += [line for line in path.read_text().splitlines() if line]
+    if not texts:
+        raise UserError("give a --prompt or a --prompts-file")
+    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, batch=0, decoding=True)
+    prompts = [inference.encode(t, loaded.cfg) for t in texts]
+    context = loaded.cfg.train.seq_len
+    for text, p in zip(texts, prompts):
+        if len(p) == 0:
+            raise UserError("a prompt is empty; give at least one character")
+        if len(p) > context:
+            raise UserError(
+                f"prompt {text[:30]!r}... is {len(p)} tokens, longer than the model's context of "
+                f"{context} tokens (train.seq_len); shorten it"
+            )
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    if longest > context:
+        log(
+            f"warning: prompt + {args.max_new_tokens} new tokens reach position {longest}, past the {context} "
+            f"positions the model was trained on"
+        )
+    sampler = inference.Sampler(loaded)
+    if len(prompts) == 1:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sys.stdout.write(texts[0])
+        sys.stdout.flush()
+
+        def stream(t, tokens_B):
+            sys.stdout.write(decoder.decode(bytes([int(tokens_B[0])])))
+            sys.stdout.flush()
+
+        sampler.generate(
+            prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_token=stream
+        )
+        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    else:
+        outs = sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        for i, (text, out) in enumerate(zip(texts, outs)):
+            completion = bytes(out.astype("uint8")).decode("utf-8", errors="replace")
+            print(f"=== sample {i} ===\n{text}{completion}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

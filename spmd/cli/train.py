@@ -1,0 +1,261 @@
+"""`spmd-train`: train a model from a config preset, a mesh shape and a sharding-rules file.
+
+parse -> assemble (spmd.setup) -> resume or initialise (spmd.checkpoint) -> loop with hooks (spmd.loop).
+"""
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+import time
+
+from spmd.cli.common import Parser, add_host_devices, log, run_main
+
+EPILOG = """
+examples:
+  spmd-train --config small --mesh fsdp=8 --rules fsdp --host-devices 8 --run-dir runs/quickstart
+  spmd-train --config tiny --mesh data=2,fsdp=2,tensor=2 --rules fsdp_tp --host-devices 8 --steps 20
+  spmd-train --config llama-8b --mesh fsdp=-1,tensor=4 --rules fsdp_tp --host-devices 64 --print-sharding
+  spmd-train --config tiny --set train.learning_rate=1e-3 --set model.remat=full
+
+mesh axes: data, fsdp, context, expert, tensor (unnamed axes are 1; one size may be -1 = fill).
+Config keys are listed in README.md ("Config keys"); --set takes section.key=value.
+"""
+# Shorthand flags and the config keys they set.
+SHORTHANDS = {
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "log_every": "train.log_every",
+    "eval_every": "train.eval_every",
+    "checkpoint_every": "checkpoint.every",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spmd.distributed import add_flags
+
+    p = Parser(
+        prog="spmd-train",
+        description="Train a sharded transformer. The mesh comes from --mesh; how each parameter and "
+        "activation is split over it comes from the --rules file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = p.add_argument
+    add(
+        "--config",
+        default="small",
+        help="config preset in configs/ (tiny, small, llama-1b, ...) or a .toml path [small]",
+    )
+    add(
+        "--mesh",
+        default="fsdp=-1",
+        help="mesh shape, e.g. data=2,fsdp=2,tensor=2; must multiply to the device count [fsdp=-1]",
+    )
+    add(
+        "--dcn-mesh",
+        default="",
+        help="mesh across processes (multi-host), e.g. data=2; then --mesh is per process",
+    )
+    add(
+        "--rules",
+        default="fsdp",
+        help="sharding rules: a preset in sharding_rules/ (dp, fsdp, tp, fsdp_tp) or a .toml path [fsdp]",
+    )
+    add("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    add("--run-dir", help="where metrics.jsonl, config.json, tensorboard/ and loss.png go [runs/<config>]")
+    add(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.learning_rate=1e-3 (repeatable)",
+    )
+    add_host_devices(p, "simulate N CPU devices per process (uses the CPU backend)", from_env=True)
+    add("--seed", type=int, help="seed for init and data order (overrides train.seed)")
+    add("--log-every", type=int, help="log metrics every N steps (overrides train.log_every)")
+    add("--eval-every", type=int, help="held-out eval every N steps, 0 = never (overrides train.eval_every)")
+    add(
+        "--print-sharding",
+        action="store_true",
+        help="print every parameter's sharding and per-device bytes, then exit (allocates nothing)",
+    )
+    add(
+        "--print-rules",
+        action="store_true",
+        help="print the resolved rules (after extends and [attention] overrides) and the file that set each entry, then exit",
+    )
+    add("--overwrite", action="store_true", help="replace an existing run directory (its checkpoints too)")
+    add(
+        "--checkpoint-every",
+        type=int,
+        help="save a checkpoint every N steps (overrides checkpoint.every; "
+        "one is always saved at the end and on SIGTERM/SIGINT)",
+    )
+    add_flags(p)
+    add(
+        "--resume-from",
+        metavar="PATH",
+        help="start from another run's checkpoint: a run dir (its latest "
+        "committed step) or one step, e.g. runs/a/checkpoints/200. Without it, a run dir that holds "
+        "checkpoints resumes from its latest committed one",
+    )
+    return p  # fmt: skip
+
+
+def main(argv=None) -> int:
+    return run_main(build_parser(), run, argv)
+
+
+def run(args) -> int:
+    from spmd import distributed
+
+    distributed.initialize(args)
+    import jax
+
+    from spmd import sharding as sharding_lib
+    from spmd.checkpoint import resume_or_init
+    from spmd.rules import rules_table
+    from spmd.setup import assemble
+
+    overrides = list(args.set) + [
+        f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
+    ]
+    setup = assemble(args.config, args.mesh, args.rules, overrides=overrides, dcn_mesh=args.dcn_mesh)
+    is_main = jax.process_index() == 0
+    if args.print_rules or args.print_sharding:
+        if is_main and args.print_rules:
+            print(rules_table(setup.rules))
+        if is_main and args.print_sharding:
+            print(sharding_lib.sharding_table(setup.plan, setup.trainer.abstract_state["opt_state"]))
+        return 0
+    batches = setup.batches()
+    run_dir = pathlib.Path(args.run_dir or f"runs/{setup.cfg.name}")
+    start = resume_or_init(setup.trainer, batches, run_dir, args.resume_from, args.overwrite)
+    prepare_run_dir(run_dir, start.step, args.overwrite, is_main)
+    # Everything above validated the input; from here on we write.
+    resolved = describe_run(setup, batches, run_dir, start.notes, is_main)
+    return train(setup, batches, run_dir, start, resolved, is_main)
+
+
+def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool) -> None:
+    """Make (or, with --overwrite, replace) the run directory; a resumed run's metrics.jsonl is cut
+    back to the restored step. Every process checks (the run dir is on a shared filesystem), so all
+    fail alike; process 0 writes."""
+    import jax
+
+    from spmd.checkpoint import SUBDIR
+    from spmd.errors import UserError
+    from spmd.loop import trim_metrics
+
+    has_files = run_dir.exists() and any(run_dir.iterdir())
+    if has_files and not overwrite and not (run_dir / SUBDIR).is_dir():
+        raise UserError(
+            f"run directory {str(run_dir)!r} already holds files but no checkpoints; pass a new --run-dir or --overwrite"
+        )
+    if is_main:
+        if has_files and overwrite:
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trim_metrics(run_dir / "metrics.jsonl", start_step)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("run directory ready")
+
+
+def describe_run(setup, batches, run_dir: pathlib.Path, notes: list[str], is_main: bool) -> dict:
+    """Write config.json (the fully resolved run) and log what will run; returns the resolved run."""
+    import jax
+
+    from models.llama import count_params, flops_per_token
+    from spmd.mesh import format_mesh
+    from spmd.metrics import peak_flops
+    from spmd.sharding import fmt_bytes, tree_bytes_per_device
+
+    cfg, plan = setup.cfg, setup.plan
+    T, B = cfg.train.seq_len, cfg.train.global_batch_size
+    peak, peak_how = peak_flops(cfg.model.dtype)
+    resolved = {
+        **setup.to_json(),
+        "model": {"params": count_params(cfg.model), "flops_per_token": flops_per_token(cfg.model, T)},
+        "peak_flops": {"value": peak, "source": peak_how},
+        "data": batches.description,
+    }
+    if not is_main:
+        return resolved
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    devices, n_proc = jax.devices(), jax.process_count()
+    opt_bytes = tree_bytes_per_device(setup.trainer.abstract_state["opt_state"])
+    lines = [
+        f"config {cfg.name}: {count_params(cfg.model):,} params, {cfg.model.n_layers} layers, "
+        f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}",
+        f"attention: {setup.attention}",
+        f"mesh: {format_mesh(setup.mesh.shape)} over {len(devices)} {devices[0].platform} devices "
+        f"({n_proc} process{'es' if n_proc > 1 else ''}); rules: {setup.rules.name}",
+        f"per device: params {fmt_bytes(plan.param_bytes_per_device)}, optimizer state {fmt_bytes(opt_bytes)}",
+        *filter(None, [plan.replication_warning()]),
+        *notes,
+        f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens",
+        f"batch: {B} sequences x {T} tokens = {B * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)",
+        f"peak for MFU: {peak / 1e9:,.1f} GFLOP/s ({peak_how})",
+    ]
+    for line in lines:
+        log(line)
+    return resolved
+
+
+def train(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool) -> int:
+    """Compile the step, then run the loop with its hooks from `start` to train.steps."""
+    from spmd import checkpoint as ckpt
+    from spmd import loop
+    from spmd.metrics import MetricsWriter
+    from spmd.train import evaluate
+
+    cfg, trainer = setup.cfg, setup.trainer
+    tcfg = cfg.train
+    if start.step >= tcfg.steps:
+        if is_main:
+            log(f"already at step {start.step} (train.steps = {tcfg.steps}): nothing to train")
+        return 0
+    t0 = time.perf_counter()
+    step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+    if is_main:
+        log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
+
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
+    hooks = [loop.EvalHook(tcfg.eval_every, lambda params: evaluate(trainer, params, batches))]
+    metrics = None
+    if is_main:
+        metrics = loop.MetricsHook(
+            tcfg.log_every, tcfg.eval_every, tcfg.global_batch_size * tcfg.seq_len,
+            resolved["model"]["flops_per_token"], resolved["peak_flops"]["value"], z_loss=bool(tcfg.z_loss),
+            writer=MetricsWriter(run_dir), start_step=start.step,
+        )  # fmt: skip
+        hooks += [metrics, loop.ProgressHook(tcfg.log_every, tcfg.eval_every, tcfg.steps, start.step)]
+    hooks.append(
+        loop.CheckpointHook(
+            checkpointer, cfg.checkpoint.every, lambda step: ckpt.step_meta(step, batches, tcfg, resolved)
+        )
+    )
+    preemption = loop.Preemption().install()
+    loop.TrainLoop(step_fn, batches, hooks, stop=preemption.requested).run(
+        start.state, start.step, tcfg.steps
+    )
+
+    if preemption.signal is not None:
+        if is_main:
+            log(f"stopped by signal {preemption.signal}: checkpoint for step {checkpointer.last_saved} committed "
+                f"in {checkpointer.directory}")  # fmt: skip
+        return 0
+    if metrics is not None and metrics.history:
+        last = metrics.history[-1]
+        evals = [r["eval_loss"] for r in metrics.history if "eval_loss" in r]
+        log(f"done: step {last['step']}, loss {last['loss']:.4f}" + (f", eval loss {evals[-1]:.4f}" if evals else "")
+            + f"; run dir {run_dir}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

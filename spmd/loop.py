@@ -1,0 +1,260 @@
+"""The train loop and its side jobs.
+
+The loop only runs steps. Everything else is a hook that decides for itself when it runs
+(`should_run(step, last)`), as in torchtitan's `Trainer.train` and Levanter's `add_hook(cb, every=N)`:
+evaluation, the metrics record (metrics.jsonl and TensorBoard), the progress display, checkpoints.
+Preemption is the loop's stop condition; the checkpoint hook saves and waits when it fires.
+
+Hooks run in the order given, after the step's metrics have been fetched (which waits for the
+step). Time spent in hooks is not training time: the throughput clock stops while they run.
+"""
+
+import abc
+import dataclasses
+import os
+import pathlib
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What hooks see after a step: `step` optimizer steps are done."""
+
+    step: int
+    state: dict
+    metrics: dict  # this step's metrics, on the host
+    train_seconds: float  # training time since the loop started, hook time excluded
+    final: bool  # the run's planned last step
+    stopping: bool  # stopping early, after this step (preemption)
+    extra: dict = dataclasses.field(default_factory=dict)  # fields hooks add to the step's record
+    record: dict | None = None  # the metrics record, once MetricsHook has made it
+
+
+class Hook(abc.ABC):
+    """A side job of the loop. Runs every `every` steps (0: never on a schedule), at the final step
+    when `at_end`, and at the step the run stops at when `on_stop`; subclasses may add more."""
+
+    every: int = 0
+    at_end: bool = True
+    on_stop: bool = True
+
+    def should_run(self, step: int, final: bool, stopping: bool) -> bool:
+        return (
+            bool(self.every and step % self.every == 0)
+            or (final and self.at_end)
+            or (stopping and self.on_stop)
+        )
+
+    @abc.abstractmethod
+    def __call__(self, info: StepInfo) -> None: ...
+
+    def close(self) -> None:
+        """Called once when the loop ends, also when it fails."""
+
+
+class TrainLoop:
+    def __init__(self, step_fn, batches, hooks: list[Hook], stop=None):
+        """`step_fn(state, batch) -> (state, metrics)`; `stop()` is asked after every step whether to
+        stop early (e.g. Preemption.requested)."""
+        self.step_fn, self.batches, self.hooks, self.stop = step_fn, batches, hooks, stop
+
+    def run(self, state, start_step: int, end_step: int):
+        """Steps start_step..end_step-1; returns the last state."""
+        clock, train_seconds = time.perf_counter(), 0.0
+        try:
+            for step in range(start_step, end_step):
+                state, metrics = self.step_fn(state, self.batches.train_batch(step))
+                done = step + 1
+                final, stopping = done == end_step, self.stop is not None and self.stop()
+                due = [hook for hook in self.hooks if hook.should_run(done, final, stopping)]
+                if due:
+                    metrics = jax.device_get(metrics)  # waits for the step
+                    train_seconds += time.perf_counter() - clock
+                    info = StepInfo(done, state, metrics, train_seconds, final, stopping)
+                    for hook in due:
+                        hook(info)
+                    clock = time.perf_counter()
+                if stopping:
+                    break
+        finally:
+            for hook in self.hooks:
+                hook.close()
+        return state
+
+
+class EvalHook(Hook):
+    """Held-out loss every `every` steps and at the end (not when preempted: the save comes first),
+    added to the step's record as eval_loss."""
+
+    on_stop = False
+
+    def __init__(self, every: int, evaluate):
+        self.every, self.at_end, self.evaluate = every, bool(every), evaluate
+
+    def __call__(self, info: StepInfo) -> None:
+        info.extra["eval_loss"] = self.evaluate(info.state["params"])
+
+
+class LogSchedule(Hook):
+    """Logged steps: every log_every, every eval step (its eval_loss is recorded), the last one."""
+
+    def __init__(self, log_every: int, eval_every: int):
+        self.every, self.eval_every = log_every, eval_every
+
+    def should_run(self, step: int, final: bool, stopping: bool) -> bool:
+        return super().should_run(step, final, stopping) or bool(
+            self.eval_every and step % self.eval_every == 0
+        )
+
+
+class MetricsHook(LogSchedule):
+    """Makes each logged step's record (loss, throughput, MFU, ...) and writes it through `writer`
+    (spmd.metrics.MetricsWriter: metrics.jsonl and TensorBoard)."""
+
+    def __init__(self, log_every: int, eval_every: int, tokens_per_step: int, flops_per_token: float, peak_flops: float,
+                 z_loss: bool = False, writer=None, start_step: int = 0):  # fmt: skip
+        super().__init__(log_every, eval_every)
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
+        self.z_loss, self.writer = z_loss, writer
+        self.last_step, self.last_seconds = start_step, 0.0
+
+    def __call__(self, info: StepInfo) -> None:
+        m, steps = info.metrics, info.step - self.last_step
+        seconds = info.train_seconds - self.last_seconds
+        tok_s = steps * self.tokens_per_step / seconds
+        record = {
+            "step": info.step,
+            "loss": float(m["loss"]),
+            "tokens_per_sec": tok_s,
+            "mfu": tok_s * self.flops_per_token / self.peak,
+            "learning_rate": float(m["learning_rate"]),
+            "grad_norm": float(m["grad_norm"]),
+            "step_time": seconds / steps,
+        }
+        if self.z_loss:
+            record["z_loss"] = float(m["z_loss"])
+        record.update({key: float(v) for key, v in m.items() if key.startswith("moe_")})
+        record.update(info.extra)
+        info.record = record
+        self.last_step, self.last_seconds = info.step, info.train_seconds
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    @property
+    def history(self) -> list[dict]:
+        return self.writer.history if self.writer is not None else []
+
+
+class ProgressHook(LogSchedule):
+    """A progress bar (step, loss, tokens/s, MFU, ETA) and one line per logged step, on stderr."""
+
+    def __init__(self, log_every: int, eval_every: int, total_steps: int, start_step: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        super().__init__(log_every, eval_every)
+        self.progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[tok_s]} tok/s  MFU {task.fields[mfu]}  ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.task = self.progress.add_task(
+            "train", total=total_steps, completed=start_step, loss="-", tok_s="-", mfu="-"
+        )
+        self.progress.start()
+
+    def __call__(self, info: StepInfo) -> None:
+        r = info.record
+        self.progress.update(
+            self.task, completed=info.step, loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_sec']:,.0f}",
+            mfu=f"{r['mfu']:.1%}",
+        )  # fmt: skip
+        self.progress.console.print(
+            f"step {info.step:>6}  loss {r['loss']:.4f}  lr {r['learning_rate']:.2e}  "
+            f"grad_norm {r['grad_norm']:.3f}  {r['tokens_per_sec']:,.0f} tok/s  MFU {r['mfu']:.1%}"
+            + (f"  eval_loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class CheckpointHook(Hook):
+    """Saves every `every` steps (0: only at the end), at the last step and when stopping; on a stop
+    it waits for the save to commit."""
+
+    def __init__(self, checkpointer, every: int, meta):
+        """`meta(step) -> dict`: the metadata saved with the step (spmd.checkpoint.step_meta)."""
+        self.checkpointer, self.every, self.meta = checkpointer, every, meta
+
+    def __call__(self, info: StepInfo) -> None:
+        self.checkpointer.save(info.step, info.state, self.meta(info.step))
+        if info.stopping:
+            self.checkpointer.wait()
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+class Preemption:
+    """First SIGTERM/SIGINT: finish the step, save, wait for the commit, exit 0. Second: abort now.
+
+    Aborting skips Python's shutdown, so an in-flight save stays uncommitted (a temporary directory
+    that is never listed) and committed checkpoints are untouched.
+    """
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def install(self) -> "Preemption":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def requested(self) -> bool:
+        """Whether to stop after this step. With several processes they must agree (a signal can
+        reach them at different steps), so any process's request stops them all at the same step."""
+        if jax.process_count() == 1:
+            return self.signal is not None
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.signal or 0))
+        if self.signal is None and flags.any():
+            self.signal = int(flags.max())
+        return bool(flags.any())
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            os._exit(128 + signum)
+        self.signal = signum
+        print(
+            f"signal {signum}: finishing this step, then saving a checkpoint (send it again to abort at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def trim_metrics(path: pathlib.Path, last_step: int) -> None:
+    """Drop logged steps after `last_step` from metrics.jsonl (a run killed after its last
+    checkpoint logged them), so that a resumed run continues the file without duplicates."""
+    import json
+
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)

@@ -1,0 +1,82 @@
+"""The package's structure holds: no import cycles (function-local imports count), models/ reach
+spmd/ only through the seam (spmd.logical), commands share only public names, and nothing but
+spmd/setup.py assembles a run."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("spmd", "models", "kernels")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(path: pathlib.Path, mods) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every first-party import, at any depth of the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name in mods]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods:
+            names = [a.name for a in node.names]
+            out.append((node.module, names))
+            out += [(f"{node.module}.{n}", []) for n in names if f"{node.module}.{n}" in mods]
+    return out
+
+
+def _graph():
+    mods = _modules()
+    return {m: sorted({d for d, _ in _imports(p, mods) if d != m}) for m, p in mods.items()}
+
+
+def test_no_import_cycles():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(m, stack):
+        state[m] = "open"
+        for d in graph[m]:
+            if state.get(d) == "open":
+                cycles.append(stack[stack.index(d) :] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    assert [c for c in cycles if len(set(c)) > 1] == []
+
+
+def test_models_reach_spmd_only_through_the_seam():
+    graph = _graph()
+    used = {d for m, deps in graph.items() if m.startswith("models") for d in deps if d.startswith("spmd")}
+    assert used == {"spmd.logical"}
+
+
+def test_no_private_names_cross_modules():
+    mods = _modules()
+    private = [
+        (m, d, n)
+        for m, p in mods.items()
+        for d, names in _imports(p, mods)
+        for n in names
+        if n.startswith("_") and d != m
+    ]
+    assert private == []
+
+
+def test_only_setup_assembles_a_run():
+    """The chain config -> mesh -> rules -> plan -> trainer is built in spmd/setup.py alone."""
+    callers = []
+    for path in [*ROOT.glob("spmd/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
+        text = path.read_text()
+        if path.name != "test_layout.py" and ("build_trainer(" in text or "sharding_lib.plan(" in text):
+            callers.append(path.relative_to(ROOT).as_posix())
+    assert sorted(callers) == ["spmd/setup.py", "spmd/train.py"]  # train.py defines build_trainer
