@@ -42,22 +42,24 @@ def _cluster_detected() -> bool:
     return "TPU_WORKER_HOSTNAMES" in os.environ and "," in os.environ["TPU_WORKER_HOSTNAMES"]
 
 
-def initialize(args) -> None:
-    """Call before anything asks JAX for devices."""
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    init_timeout: int = 60,
+    heartbeat_timeout: int = 30,
+) -> None:
+    """Join the job (see module doc); call before anything asks JAX for devices. Unset arguments
+    come from the environment, as `add_flags`' flags do."""
     import jax
 
-    coordinator = args.coordinator or os.environ.get(ENV["coordinator"])
-    n = args.num_processes if args.num_processes is not None else _env_int("num_processes")
-    i = args.process_id if args.process_id is not None else _env_int("process_id")
-    timeouts = {
-        "initialization_timeout": args.init_timeout,
-        "heartbeat_timeout_seconds": args.heartbeat_timeout,
-    }
+    coordinator = coordinator or os.environ.get(ENV["coordinator"])
+    n = num_processes if num_processes is not None else _env_int("num_processes")
+    i = process_id if process_id is not None else _env_int("process_id")
+    timeouts = {"initialization_timeout": init_timeout, "heartbeat_timeout_seconds": heartbeat_timeout}
     if coordinator is None and n is None and i is None:
         if _cluster_detected():
-            _join(
-                lambda: jax.distributed.initialize(**timeouts), "the cluster JAX detected", args.init_timeout
-            )
+            _join(lambda: jax.distributed.initialize(**timeouts), "the cluster JAX detected", init_timeout)
         return
     if coordinator is None or n is None or i is None:
         raise UserError(
@@ -70,16 +72,23 @@ def initialize(args) -> None:
         raise UserError(f"--num-processes must be positive, got {n}")
     if not 0 <= i < n:
         raise UserError(f"--process-id {i} is out of range for {n} processes (0..{n - 1})")
-    if args.init_timeout < 1 or args.heartbeat_timeout < 1:
+    if init_timeout < 1 or heartbeat_timeout < 1:
         raise UserError("--init-timeout and --heartbeat-timeout must be at least 1 second")
     if i != 0:
-        _wait_for_coordinator(host, int(port), args.init_timeout)
+        _wait_for_coordinator(host, int(port), init_timeout)
     _join(
         lambda: jax.distributed.initialize(
             coordinator_address=coordinator, num_processes=n, process_id=i, **timeouts
         ),
         f"coordinator {coordinator} as process {i} of {n}",
-        args.init_timeout,
+        init_timeout,
+    )
+
+
+def initialize_from_flags(args) -> None:
+    """`initialize` with the values of the flags `add_flags` added."""
+    initialize(
+        args.coordinator, args.num_processes, args.process_id, args.init_timeout, args.heartbeat_timeout
     )
 
 

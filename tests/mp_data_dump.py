@@ -1,6 +1,5 @@
 """Run under spmd-launch: each process writes the rows of the global batch it loads (tests only)."""
 
-import argparse
 import pathlib
 import sys
 
@@ -14,11 +13,7 @@ from spmd.cli.common import env_host_devices, set_host_devices  # noqa: E402
 
 out = pathlib.Path(sys.argv[1])
 set_host_devices(env_host_devices())
-distributed.initialize(
-    argparse.Namespace(
-        coordinator=None, num_processes=None, process_id=None, init_timeout=60, heartbeat_timeout=30
-    )
-)
+distributed.initialize()  # the job spmd-launch describes in the environment
 from spmd.setup import assemble  # noqa: E402
 
 batches = assemble("tiny", sys.argv[2], "fsdp", overrides=["train.global_batch_size=16"]).batches()

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from spmd import distributed
 
-    distributed.initialize(args)
+    distributed.initialize_from_flags(args)
     import jax
 
     from spmd import sharding as sharding_lib
