@@ -54,10 +54,30 @@ class RMSNorm(nnx.Module):
         return (y * scale).astype(x_BTD.dtype)
 
 
-def rope(x_BTNH, positions_BT, theta: float):
+def rope_frequencies(cfg):
+    """Rotation frequency of each of the head's H/2 dimension pairs (fp32): theta^(-i / (H/2)).
+
+    `rope_scaling = "llama3"` (Llama 3.1+) stretches the long wavelengths by `rope_factor` and
+    blends the middle band, as Meta's reference does: wavelengths above
+    original_max_position / low_freq_factor are divided by the factor, those below
+    original_max_position / high_freq_factor kept, and those between interpolated."""
+    half = cfg.head_dim // 2
+    freq_h = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen_h = 2 * math.pi / freq_h
+        scaled_h = jnp.where(wavelen_h > cfg.rope_original_max_position / low, freq_h / factor, freq_h)
+        smooth_h = (cfg.rope_original_max_position / wavelen_h - low) / (high - low)
+        blended_h = (1 - smooth_h) * scaled_h / factor + smooth_h * scaled_h
+        middle_h = (wavelen_h >= cfg.rope_original_max_position / high) & (
+            wavelen_h <= cfg.rope_original_max_position / low
+        )
+        freq_h = jnp.where(middle_h, blended_h, scaled_h)
+    return freq_h
+
+
+def rope(x_BTNH, positions_BT, freq_h):
     """Rotary embedding, computed in fp32; pairs dimension i with i + H/2 (Llama layout)."""
-    half = x_BTNH.shape[-1] // 2
-    freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h[None, None, :]
     cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import attention
-from models.layers import MLP, RMSNorm, param, project, rope
+from models.layers import MLP, RMSNorm, param, project, rope, rope_frequencies
 from models.moe import DISPATCHED_AXES, MoE
 from spmd.logical import constrain
 
@@ -62,6 +62,12 @@ class ModelConfig:
     head_dim: int = 16
     d_ff: int = 192
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1+ long-context frequencies; models/layers.py)
+    rope_factor: float = 8.0  # llama3 scaling: how much the long wavelengths are stretched
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192  # the context the frequencies were first trained for
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "bfloat16"  # compute dtype
@@ -101,6 +107,17 @@ class ModelConfig:
                 problems.append(
                     f"model.{key} must be float32, bfloat16 or float16, got {getattr(self, key)!r}"
                 )
+        if self.rope_scaling not in ("none", "llama3"):
+            problems.append(f"model.rope_scaling must be none or llama3, got {self.rope_scaling!r}")
+        elif self.rope_scaling == "llama3" and not (
+            self.rope_factor > 0
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_max_position > 0
+        ):
+            problems.append(
+                "model.rope_scaling = llama3 needs rope_factor > 0, 0 < rope_low_freq_factor < "
+                "rope_high_freq_factor and rope_original_max_position > 0"
+            )
         if self.remat not in REMAT_POLICIES:
             problems.append(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_experts < 0 or self.n_shared_experts < 0 or self.d_ff_expert < 0:
@@ -139,6 +156,16 @@ class Attention(nnx.Module):
         self.wo_NHD = param(
             rngs, cfg, (N, H, D), ("heads", "head_dim", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
+        if cfg.qkv_bias:
+            dtype = jnp.dtype(cfg.param_dtype)
+            self.bq_NH, self.bk_KH, self.bv_KH = (
+                nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, weight_decay=False)
+                for shape, axes in (
+                    ((N, H), ("heads", "head_dim")),
+                    ((K, H), ("kv_heads", "head_dim")),
+                    ((K, H), ("kv_heads", "head_dim")),
+                )
+            )
 
     def __call__(self, x_BTD, positions_BT, kv=None):
         """kv: None (training: causal over this sequence), or (k_BSKH, v_BSKH, positions_BS, index)
@@ -147,8 +174,13 @@ class Attention(nnx.Module):
         q_BTNH = project(x_BTD, self.wq_DNH[...].astype(dt))  # BTD,DNH->BTNH
         k_BTKH = project(x_BTD, self.wk_DKH[...].astype(dt))  # BTD,DKH->BTKH
         v_BTKH = project(x_BTD, self.wv_DKH[...].astype(dt))  # BTD,DKH->BTKH
-        q_BTNH = rope(q_BTNH, positions_BT, self.cfg.rope_theta)
-        k_BTKH = rope(k_BTKH, positions_BT, self.cfg.rope_theta)
+        if self.cfg.qkv_bias:
+            q_BTNH = q_BTNH + self.bq_NH[...].astype(dt)[None, None]
+            k_BTKH = k_BTKH + self.bk_KH[...].astype(dt)[None, None]
+            v_BTKH = v_BTKH + self.bv_KH[...].astype(dt)[None, None]
+        freq_h = rope_frequencies(self.cfg)
+        q_BTNH = rope(q_BTNH, positions_BT, freq_h)
+        k_BTKH = rope(k_BTKH, positions_BT, freq_h)
         if kv is None:
             impl = attention.resolve(self.cfg.attention_impl, q_BTNH.shape[1])
             out_BTNH = attention.attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl)
@@ -206,7 +238,11 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_VD = param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=1.0)
+        # Untied, the embedding starts at unit scale (the residual stream is O(1) from the start).
+        # Tied, the same table is the output head, whose logits x.e over a normalised x of norm
+        # sqrt(D) must start small (loss ln V): it takes the matmul scale init_std, as Llama does.
+        embed_std = cfg.init_std if cfg.tie_embeddings else 1.0
+        self.embed_VD = param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=embed_std)
         groups, dense_per_group, has_moe = layer_groups(cfg)
 
         def stack(n, moe):
@@ -297,7 +333,7 @@ class Decoder(nnx.Module):
 def count_params(cfg: ModelConfig, include_embedding: bool = True, active: bool = False) -> int:
     """Parameters; `active`: those one token uses (k routed experts of an MoE layer, not all E)."""
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
-    attn = D * N * H * 2 + D * K * H * 2 + 2 * D
+    attn = D * N * H * 2 + D * K * H * 2 + 2 * D + ((N + 2 * K) * H if cfg.qkv_bias else 0)
     groups, dense_per_group, has_moe = layer_groups(cfg)
     n = groups * dense_per_group * (attn + 3 * D * F)
     if has_moe:

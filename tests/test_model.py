@@ -1,6 +1,7 @@
 """The decoder against plain references: causality, GQA, remat, parameter and FLOP counts."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,18 @@ def test_tied_embeddings_share_the_table():
     params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
     assert "head_DV" not in params
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg)
+
+
+def test_tied_and_untied_models_start_at_the_uniform_loss():
+    """ln V at initialisation: the tied table used to start at std 1 and give a loss of ~64."""
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 64))
+    targets = np.roll(tokens, -1, axis=1)
+    for tied in (False, True):
+        cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+        params = jax.jit(lambda cfg=cfg: init_params(Decoder, cfg, 0))()
+        logits = apply(cfg, params, tokens)
+        loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+        assert abs(float(loss) - math.log(256)) < 0.05, (tied, float(loss))
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
