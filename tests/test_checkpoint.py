@@ -141,3 +141,29 @@ def test_restore_params_reads_only_the_parameters_onto_another_mesh(tiny_cfg, de
     other = assemble(load_config("tiny", ["model.d_ff=128"]), "fsdp=8", "fsdp", optimizer=False)
     with pytest.raises(UserError, match=r"w_down_FD has shape \(2, 192, 64\) but this config needs"):
         ckpt.restore_params(tmp_path / ckpt.SUBDIR, 2, other.plan.abstract_params)
+
+
+def test_checkpoints_are_uncompressed_and_compressed_ones_still_restore(tiny_cfg, devices, tmp_path):
+    """We write without zstd (see spmd.checkpoint._manager); checkpoints written before, with
+    Orbax's default compression, restore bit for bit."""
+    import orbax.checkpoint as ocp
+
+    trainer, batches = setup(tiny_cfg, "fsdp=8", "fsdp", 8)
+    state = trainer.init_state()
+    save(tmp_path / "new", state, 0, batches)
+    meta = {"step": 0, "consumed_samples": 0, "global_batch_size": batches.global_batch_size}
+    old = ocp.CheckpointManager(
+        (tmp_path / "old" / ckpt.SUBDIR).resolve(),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    )
+    old.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    old.close()
+
+    def size(d):
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+    assert size(tmp_path / "new") > 1.02 * size(tmp_path / "old")  # fp32 noise compresses a little
+    for run in ("new", "old"):
+        restored, _ = ckpt.restore(tmp_path / run / ckpt.SUBDIR, 0, trainer.abstract_state)
+        for x, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(want))
