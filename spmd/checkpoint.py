@@ -285,10 +285,17 @@ class Start:
 
 
 def resume_or_init(
-    trainer, batches, run_dir: pathlib.Path, resume_from: str | None = None, overwrite: bool = False
+    trainer,
+    batches,
+    run_dir: pathlib.Path,
+    resume_from: str | None = None,
+    overwrite: bool = False,
+    init_from: str | None = None,
 ):
     """The run's starting state: restored from `resume_from` (a run dir or one step) when given,
-    else from `run_dir`'s latest committed checkpoint (unless `overwrite`), else fresh from the seed.
+    else from `run_dir`'s latest committed checkpoint (unless `overwrite`), else the parameters of
+    `init_from` with a fresh optimizer at step 0 (a fine-tune; once it has checkpointed, a restart
+    resumes from its own checkpoints), else fresh from the seed.
 
     Resuming also moves `batches` to the checkpoint's data position. Reads only, so that any error
     here leaves the run directory as it was.
@@ -307,9 +314,19 @@ def resume_or_init(
                 f"warning: {own} holds only uncommitted checkpoints ({', '.join(uncommitted(own))}) "
                 f"from an interrupted save; starting fresh and removing them"
             )
+    if source is None and init_from:
+        directory, step = locate(init_from)
+        params, _ = restore_params(directory, step, trainer.plan.abstract_params)
+        notes.append(f"parameters from {directory}/{step}; fresh optimizer state, starting at step 0")
+        return Start(trainer.state_from_params(params), 0, notes)
     if source is None:
         return Start(trainer.init_state(), 0, notes)
     directory, step = source
+    if read_meta(directory, step).get("params_only"):
+        raise UserError(
+            f"checkpoint {directory}/{step} holds parameters only (e.g. from spmd-ckpt import-hf), no optimizer "
+            f"state to resume; start from it with --init-from {directory.parent} and a new --run-dir"
+        )
     state, meta = restore(directory, step, trainer.abstract_state)
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)

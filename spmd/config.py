@@ -209,9 +209,14 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
 
 def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
     """`cfg` with `section.key=value` overrides (as --set gives them), checked like a loaded config."""
-    if not overrides:
-        return cfg
     return _build(cfg.name, {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}, overrides)
+
+
+def to_toml(cfg: Config) -> str:
+    """A config file that `load_config` reads back as `cfg` (every key written out)."""
+    import tomli_w
+
+    return tomli_w.dumps({s: dataclasses.asdict(getattr(cfg, s)) for s in SECTIONS})
 
 
 def _build(name: str, tree: dict[str, dict], overrides: typing.Sequence[str]) -> Config:

@@ -7,6 +7,7 @@ over tensor).
 
 import dataclasses
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ class Loaded:
     step: int
     meta: dict
     params: dict
+    run_dir: pathlib.Path | None = None  # where the run's other files (its tokenizer) lie
 
     @property
     def cfg(self):
@@ -78,7 +80,9 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
         batch_size=batch if batch is not None else cfg.train.global_batch_size,
     )
     params, meta = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
-    return Loaded(setup, latest, meta, params)
+    return Loaded(
+        setup, latest, meta, params, directory.parent if directory.name == ckpt.SUBDIR else directory
+    )
 
 
 def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
@@ -181,12 +185,3 @@ def _sample(logits_BV, key, temperature, top_k: int):
         kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
-
-
-def encode(text: str, cfg) -> np.ndarray:
-    if cfg.model.vocab_size != 256 or cfg.data.path.endswith((".npy", ".bin")):
-        raise UserError(
-            "spmd-sample reads text prompts as bytes, so it needs a byte-level model (vocab_size 256, "
-            "trained on text); this run used pre-tokenized data"
-        )
-    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)

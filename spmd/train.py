@@ -101,6 +101,7 @@ class Trainer:
     train_step: object  # jitted (state, batch) -> (state, metrics)
     eval_step: object  # jitted (params, batch) -> (ce_sum, count)
     init_state: object  # jitted () -> state
+    state_from_params: object  # jitted params -> state with fresh optimizer state at step 0
 
     @functools.cached_property
     def abstract_state(self):
@@ -136,6 +137,9 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
 
     def init():
         params = plan.init_params(tcfg.seed)
+        return from_params(params)
+
+    def from_params(params):
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
@@ -222,6 +226,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         ),
         eval_step=build_eval_step(cfg, plan),
         init_state=jax.jit(init, out_shardings=state_shardings),
+        state_from_params=jax.jit(from_params, out_shardings=state_shardings),
     )
 
 

@@ -1,15 +1,18 @@
-"""`spmd-ckpt`: inspect, verify and reshard checkpoints."""
+"""`spmd-ckpt`: inspect, verify and reshard checkpoints; import and export Hugging Face models."""
 
 import argparse
 import math
 import pathlib
 import sys
 
-from spmd.cli.common import Parser, add_host_devices, run_main
+from spmd.cli.common import Parser, add_host_devices, log, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="spmd-ckpt", description="Inspect, verify and reshard spmd-train checkpoints.")
+    p = Parser(
+        prog="spmd-ckpt",
+        description="Inspect, verify and reshard spmd-train checkpoints; import and export Hugging Face models.",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     i = sub.add_parser(
         "inspect",
@@ -26,13 +29,52 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", required=True)
     r.add_argument("--rules", required=True)
     r.add_argument("--dcn-mesh", default="")
+    h = sub.add_parser(
+        "import-hf",
+        help="a Hugging Face model directory (Llama, Mistral, Qwen2, Mixtral; config.json + safetensors) "
+        "-> a run dir with config.toml and a step-0 checkpoint that --init-from, spmd-eval and spmd-sample take",
+    )
+    h.add_argument("hf_dir", metavar="HF_DIR", help="the directory save_pretrained wrote (or a hub snapshot)")
+    h.add_argument("--run-dir", required=True, help="the run directory to create")
+    h.add_argument(
+        "--mesh",
+        default="fsdp=-1",
+        help="mesh the import reads onto (any: the checkpoint restores on every mesh) [fsdp=-1]",
+    )
+    h.add_argument("--dcn-mesh", default="")
+    h.add_argument("--rules", default="fsdp", help="sharding rules [fsdp]")
+    h.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a key of the written config, e.g. --set train.seq_len=2048 --set model.dtype=float32",
+    )  # fmt: skip
+    h.add_argument("--overwrite", action="store_true", help="replace a run dir that already holds files")
+    e = sub.add_parser(
+        "export-hf",
+        help="a checkpoint (any mesh) -> a Hugging Face directory that AutoModelForCausalLM.from_pretrained loads",
+    )
+    e.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (latest committed step) or one step")
+    e.add_argument("--out", required=True, help="the directory to create")
+    e.add_argument("--step", type=int, help="a committed step [latest]")
+    e.add_argument(
+        "--dtype", choices=("bfloat16", "float32", "float16"), help="tensor dtype [the parameters']"
+    )
+    e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB [5GB]")
+    e.add_argument("--mesh", default="fsdp=-1", help="mesh to load the checkpoint onto [fsdp=-1]")
+    e.add_argument("--rules", default="fsdp")
+    from spmd.distributed import add_flags
+
     for q in (v, r):
         add_host_devices(q)
+    for q in (h, e):  # these two run under spmd-launch too: each process reads and writes its shards
+        add_host_devices(q, "simulate N CPU devices per process", from_env=True)
+        add_flags(q)
     return p
 
 
 def main(argv=None) -> int:
-    commands = {"inspect": inspect, "verify": verify, "reshard": reshard}
+    commands = {
+        "inspect": inspect, "verify": verify, "reshard": reshard, "import-hf": import_hf, "export-hf": export_hf,
+    }  # fmt: skip
     return run_main(build_parser(), lambda args: commands[args.command](args), argv)
 
 
@@ -72,6 +114,10 @@ def inspect(args) -> int:
         f"rules {run.get('rules', {}).get('name')}, {run.get('devices', {}).get('count')} devices in "
         f"{run.get('devices', {}).get('processes')} process(es)"
     )
+    if run.get("hf"):
+        print(f"  imported from {run['hf']['source']} ({run['hf']['architecture']}): parameters only")
+    elif run.get("init_from"):
+        print(f"  parameters initialised from {run['init_from']['path']}")
     print(
         f"  data position: {meta['consumed_samples']:,} samples consumed (global batch {meta['global_batch_size']}, "
         f"seq_len {meta['seq_len']}, seed {meta['seed']})"
@@ -123,6 +169,74 @@ def reshard(args) -> int:
     writer.save(step, state, meta)
     writer.close()
     print(f"wrote {dst / ckpt.SUBDIR / str(step)} for mesh {args.mesh} and rules {setup.rules.name}")
+    return 0
+
+
+def import_hf(args) -> int:
+    from spmd import distributed
+
+    distributed.initialize_from_flags(args)
+    import jax
+
+    from spmd import hf
+    from spmd.sharding import fmt_bytes
+
+    done = hf.import_hf(
+        args.hf_dir, args.run_dir, args.mesh, args.rules, args.set, args.dcn_mesh, args.overwrite
+    )
+    if jax.process_index():
+        return 0
+    m = done["config"].model
+    tokenizer = f"; tokenizer {', '.join(done['tokenizer'])}" if done["tokenizer"] else "; no tokenizer file"
+    print(
+        f"imported {done['architecture']} ({m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
+        f"{f', {m.n_experts} experts' if m.n_experts else ''}): {done['tensors']} tensors, "
+        f"{fmt_bytes(done['bytes'])} as {m.param_dtype} -> {args.run_dir}/checkpoints/0{tokenizer}\n"
+        f"next: spmd-train --init-from {args.run_dir} --run-dir RUN_DIR  (or spmd-eval --run-dir {args.run_dir})"
+    )
+    return 0
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '100KB' or a byte count -> bytes (decimal units, as transformers uses)."""
+    from spmd.errors import UserError
+
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            number = t[: -len(unit)].strip()
+            break
+    else:
+        number, scale = t, 1
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"--max-shard-size {text!r}: give a positive size such as 5GB or 500MB")
+    return int(value * scale)
+
+
+def export_hf(args) -> int:
+    from spmd import distributed
+
+    max_shard_bytes = parse_size(args.max_shard_size)
+    distributed.initialize_from_flags(args)
+    import jax
+
+    from spmd import hf
+    from spmd.sharding import fmt_bytes
+
+    done = hf.export_hf(args.run_dir, args.out, args.step, args.dtype, args.mesh, args.rules, max_shard_bytes)
+    if jax.process_index():
+        return 0
+    if done["capacity_note"]:
+        log(done["capacity_note"])
+    print(
+        f"exported step {done['step']} as {done['architecture']}: {done['tensors']} tensors, "
+        f"{fmt_bytes(done['bytes'])} in {len(done['files'])} file(s) -> {args.out}"
+    )
     return 0
 
 

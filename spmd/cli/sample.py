@@ -1,7 +1,6 @@
 """`spmd-sample`: text from a run's checkpoint with KV-cache decoding, on any mesh."""
 
 import argparse
-import codecs
 import pathlib
 import sys
 
@@ -42,8 +41,11 @@ def run(args) -> int:
         texts += [line for line in path.read_text().splitlines() if line]
     if not texts:
         raise UserError("give a --prompt or a --prompts-file")
+    from spmd import tokenizer as tokenizer_lib
+
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, batch=0, decoding=True)
-    prompts = [inference.encode(t, loaded.cfg) for t in texts]
+    tokenizer = tokenizer_lib.for_run(loaded.run_dir, loaded.cfg)
+    prompts = [tokenizer.encode(t) for t in texts]
     context = loaded.cfg.train.seq_len
     for text, p in zip(texts, prompts):
         if len(p) == 0:
@@ -61,24 +63,40 @@ def run(args) -> int:
         )
     sampler = inference.Sampler(loaded)
     if len(prompts) == 1:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(texts[0])
         sys.stdout.flush()
+        new, shown = [], ""
 
         def stream(t, tokens_B):
-            sys.stdout.write(decoder.decode(bytes([int(tokens_B[0])])))
-            sys.stdout.flush()
+            # Decode everything so far and print what is new: a character may span several tokens
+            # (bytes of UTF-8, byte-fallback pieces); an incomplete one shows once it is whole.
+            nonlocal shown
+            new.append(int(tokens_B[0]))
+            text = completion(tokenizer, prompts[0], new)
+            if not text.endswith("\ufffd") and text.startswith(shown):
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
 
         sampler.generate(
             prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_token=stream
         )
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        text = completion(tokenizer, prompts[0], new)
+        # A tokenizer whose decoding of a prefix is not a prefix of the whole: print it all again.
+        sys.stdout.write((text[len(shown) :] if text.startswith(shown) else f"\n{texts[0]}{text}") + "\n")
     else:
         outs = sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-        for i, (text, out) in enumerate(zip(texts, outs)):
-            completion = bytes(out.astype("uint8")).decode("utf-8", errors="replace")
-            print(f"=== sample {i} ===\n{text}{completion}")
+        for i, (text, prompt, out) in enumerate(zip(texts, prompts, outs)):
+            print(f"=== sample {i} ===\n{text}{completion(tokenizer, prompt, out)}")
     return 0
+
+
+def completion(tokenizer, prompt_ids, new_ids) -> str:
+    """The text the new tokens add after the prompt: decoded together with the prompt, since a
+    tokenizer may join or space tokens by context (as transformers' TextStreamer does)."""
+    before = tokenizer.decode(prompt_ids)
+    after = tokenizer.decode([*prompt_ids, *new_ids])
+    return after[len(before) :] if after.startswith(before) else tokenizer.decode(new_ids)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add(
         "--config",
-        default="small",
-        help="config preset in configs/ (tiny, small, llama-1b, ...) or a .toml path [small]",
+        help="config preset in configs/ (tiny, small, llama-1b, ...) or a .toml path "
+        "[small; with --init-from, the checkpoint's own config]",
     )
     add(
         "--mesh",
@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "committed step) or one step, e.g. runs/a/checkpoints/200. Without it, a run dir that holds "
         "checkpoints resumes from its latest committed one",
     )
+    add(
+        "--init-from",
+        metavar="PATH",
+        help="start from the parameters of a checkpoint (a run dir or one step, e.g. one spmd-ckpt import-hf "
+        "wrote): fresh optimizer state, step 0, on any mesh and rules. Once the new run has checkpoints, "
+        "rerunning the command resumes from them",
+    )
     return p  # fmt: skip
 
 
@@ -122,7 +129,9 @@ def run(args) -> int:
     overrides = list(args.set) + [
         f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
     ]
-    setup = assemble(args.config, args.mesh, args.rules, overrides=overrides, dcn_mesh=args.dcn_mesh)
+    init = initial_parameters(args)
+    config = args.config or (init["config"] if init else "small")
+    setup = assemble(config, args.mesh, args.rules, overrides=overrides, dcn_mesh=args.dcn_mesh)
     is_main = jax.process_index() == 0
     if args.print_rules or args.print_sharding:
         if is_main and args.print_rules:
@@ -132,11 +141,43 @@ def run(args) -> int:
         return 0
     batches = setup.batches()
     run_dir = pathlib.Path(args.run_dir or f"runs/{setup.cfg.name}")
-    start = resume_or_init(setup.trainer, batches, run_dir, args.resume_from, args.overwrite)
+    start = resume_or_init(setup.trainer, batches, run_dir, args.resume_from, args.overwrite, args.init_from)
     prepare_run_dir(run_dir, start.step, args.overwrite, is_main)
     # Everything above validated the input; from here on we write.
-    resolved = describe_run(setup, batches, run_dir, start.notes, is_main)
+    resolved = describe_run(setup, batches, run_dir, start.notes, is_main, init["record"] if init else None)
+    if init and is_main:
+        copy_tokenizer(init["run_dir"], run_dir)
     return train(setup, batches, run_dir, start, resolved, is_main)
+
+
+def initial_parameters(args) -> dict | None:
+    """For --init-from: the checkpoint's config (the default --config), where it lies, and what the
+    new run records of it (including the Hugging Face config it was imported from, for export)."""
+    if not args.init_from:
+        return None
+    from spmd import checkpoint as ckpt
+    from spmd.config import config_from_json
+    from spmd.errors import UserError
+
+    if args.resume_from:
+        raise UserError("--init-from and --resume-from exclude each other: one starts fresh, one resumes")
+    directory, step = ckpt.locate(args.init_from)
+    run = ckpt.read_meta(directory, step)["run"]
+    record = {"path": str(directory / str(step)), "step": step}
+    origin = run.get("hf") or run.get("init_from", {}).get("hf")
+    if origin:
+        record["hf"] = origin
+    run_dir = directory.parent if directory.name == ckpt.SUBDIR else directory
+    return {"config": config_from_json(run["config"]), "record": record, "run_dir": run_dir}
+
+
+def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """The tokenizer files of the run we start from travel with the new run (export takes them)."""
+    from spmd.hf import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
 
 
 def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool) -> None:
@@ -165,8 +206,11 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
         multihost_utils.sync_global_devices("run directory ready")
 
 
-def describe_run(setup, batches, run_dir: pathlib.Path, notes: list[str], is_main: bool) -> dict:
-    """Write config.json (the fully resolved run) and log what will run; returns the resolved run."""
+def describe_run(
+    setup, batches, run_dir: pathlib.Path, notes: list[str], is_main: bool, init_from: dict | None = None
+) -> dict:
+    """Write config.json (the fully resolved run) and log what will run; returns the resolved run.
+    `init_from`: where --init-from took the parameters (kept with every checkpoint's metadata)."""
     import jax
 
     from models.llama import count_params, flops_per_token
@@ -182,6 +226,7 @@ def describe_run(setup, batches, run_dir: pathlib.Path, notes: list[str], is_mai
         "model": {"params": count_params(cfg.model), "flops_per_token": flops_per_token(cfg.model, T)},
         "peak_flops": {"value": peak, "source": peak_how},
         "data": batches.description,
+        **({"init_from": init_from} if init_from else {}),
     }
     if not is_main:
         return resolved
