@@ -135,6 +135,19 @@ def main() -> None:
             ab[name][2].append(sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file()))
             shutil.rmtree(run_dir)
 
+    # Checksums (spmd.checkpoint.checksums, part of every save and restore): their pass alone,
+    # alternating with a save, on the same random state.
+    ckpt.checksums(state)  # compile
+    sums, saves = [], []
+    for i in range(args.repeats):
+        t = time.perf_counter()
+        ckpt.checksums(state)
+        sums.append(time.perf_counter() - t)
+        run_dir = root / f"sum{i}"
+        t = time.perf_counter()
+        ours_save(run_dir)
+        saves.append(time.perf_counter() - t)
+        shutil.rmtree(run_dir)
     state = fresh
 
     # Stall: step times with no save, then while an async save is being written.
@@ -186,6 +199,10 @@ def main() -> None:
     for name, (sv, rs, size) in ab.items():
         ratio = med(a / b for a, b in zip(ab["zstd"][0], sv))
         print(f"| {name} | {med(sv):.2f} | {med(rs):.2f} | {med(size) / 2**20:,.0f} | {ratio:.2f}x |")
+    print(
+        f"\nchecksums: {med(sums) * 1e3:.0f} ms per pass over the {mb:,.0f} MiB state, "
+        f"{med(s / v for s, v in zip(sums, saves)):.1%} of a save that includes it (median of ratios)"
+    )
     print(
         f"\nasync save: save() blocked the loop {blocking * 1e3:.0f} ms; the write finished in the background after "
         f"{background:.2f} s, during which {len(during)} steps ran at a median {med(during) * 1e3:.0f} ms vs "

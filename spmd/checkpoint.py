@@ -16,9 +16,13 @@ position is `consumed_samples` (the batch at step s starts at sample
 """
 
 import dataclasses
+import hashlib
+import json
 import pathlib
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
@@ -30,9 +34,41 @@ SUBDIR = "checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"
 META_VERSION = 1
 
-# Orbax logs routine progress (and read-only notices) as absl warnings; the CLI's stderr is for
-# our own lines and `error:`.
-absl_logging.set_verbosity(absl_logging.ERROR)
+# Orbax logs routine progress (and read-only notices) as absl warnings, and a failed background
+# save as several error tracebacks; the CLI's stderr is for our own lines and the one `error:`
+# that SaveError and UserError become.
+absl_logging.set_verbosity(absl_logging.FATAL)
+
+
+def _quiet_closed_loops() -> None:
+    """When a background save fails, Orbax closes its asyncio loop while TensorStore is still
+    completing the other writes; each completion then raises "Event loop is closed" in a native
+    callback, which Python reports as unraisable (a traceback per array). The failure itself
+    reaches us through check_for_errors and becomes one SaveError line, so those echoes are
+    dropped; every other unraisable exception is reported as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "spmd_quiet", False):
+        return
+
+    def hook(unraisable):
+        if (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        ):
+            return
+        previous(unraisable)
+
+    hook.spmd_quiet = True
+    sys.unraisablehook = hook
+
+
+_quiet_closed_loops()  # failed reads of a damaged checkpoint echo the same way
+
+
+class SaveError(UserError):
+    """A checkpoint could not be written (disk full, permissions): training stops, exit code 3."""
+
+    exit_code = 3
 
 
 def _manager(
@@ -95,6 +131,99 @@ def locate(path: str) -> tuple[pathlib.Path, int]:
     return directory, steps[-1]
 
 
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability 1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _array_checksum(x) -> jax.Array:
+    """Two 32-bit lanes: the wrapping sum over elements of a hash of (bits, flat position). A sum
+    does not depend on how the array is split, so the figure is the same on every mesh, device and
+    process count, computed where the shards live (one all-reduce of 8 bytes)."""
+    if x.dtype.itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:
+        bits = x.astype(jnp.uint32)
+    position, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for d in reversed(range(x.ndim)):
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[d]
+    spread = position * jnp.uint32(0x9E3779B9)
+    lanes = tuple(_fmix32(bits ^ _fmix32(spread + jnp.uint32(seed))) for seed in (1, 2))
+    # One two-operand reduction: XLA fuses the hashing into it (two separate sums materialised
+    # each lane, 2x the array in temporaries).
+    sums = jax.lax.reduce(
+        lanes, (jnp.uint32(0), jnp.uint32(0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim))
+    )
+    return jnp.stack(sums)
+
+
+@jax.jit
+def _checksums(tree):
+    return jax.tree.map(_array_checksum, tree)
+
+
+def checksums(tree) -> dict[str, str]:
+    """{array path: 16 hex digits}, identical for the same values on any sharding (see
+    _array_checksum). Written into every checkpoint's metadata at save time and checked against
+    what every restore and `spmd-ckpt verify` read back."""
+    sums = jax.device_get(_checksums(tree))
+    return {
+        _key(path): f"{int(v[0]):08x}{int(v[1]):08x}" for path, v in jax.tree_util.tree_leaves_with_path(sums)
+    }
+
+
+META_DIGEST = "meta_sha256"
+
+
+def _digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def check_meta(directory: pathlib.Path, step: int, meta: dict, required=()) -> dict:
+    """`meta` if it is what was saved for this step (its digest, its step number, the keys the
+    caller needs), else an error saying what is wrong. Metadata written before digests existed
+    is checked for its step and keys only."""
+    where = f"checkpoint {directory}/{step}"
+    if META_DIGEST in meta and meta[META_DIGEST] != _digest(meta):
+        raise UserError(
+            f"{where}: its metadata was edited or is corrupt (digest mismatch); restore an earlier step"
+        )
+    if "step" in meta and meta["step"] != step:
+        raise UserError(
+            f"{where}: its metadata is for step {meta['step']}; the step directory was renamed or copied "
+            f"over: restore the step it was written as"
+        )
+    for key in required:
+        if key not in meta or (key != "run" and not isinstance(meta[key], int)):
+            raise UserError(f"{where}: its metadata has no valid {key!r}; it was not written by spmd-train")
+    if "run" in required and "config" not in meta["run"]:
+        raise UserError(f"{where}: its metadata has no run config; it was not written by spmd-train")
+    return meta
+
+
+def check_checksums(directory: pathlib.Path, step: int, tree, meta: dict) -> None:
+    """An error naming the first array whose values differ from what was saved. Checkpoints written
+    before checksums existed carry none and pass."""
+    saved = meta.get("checksums")
+    if not saved:
+        return
+    for key, value in checksums(tree).items():
+        if key in saved and saved[key] != value:
+            raise UserError(
+                f"checkpoint {directory}/{step}: {key} does not match the checksum saved with it "
+                f"(saved {saved[key]}, read {value}): its data is corrupt; restore an earlier step "
+                f"(--resume-from {directory}/<step>)"
+            )
+
+
 class Checkpointer:
     """Saves a run's checkpoints; one per run, process-wide (every process calls save)."""
 
@@ -103,28 +232,70 @@ class Checkpointer:
         self.cfg = cfg
         self.manager = _manager(self.directory, cfg)
         self.last_saved: int | None = self.manager.latest_step()
+        self.pending: int | None = None  # the step of the save in flight (or last started)
+        self.failed: SaveError | None = None
+
+    def check(self) -> None:
+        """Raise SaveError if a background save has failed (returns at once otherwise)."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 — Orbax re-raises whatever its writer threads hit
+            self._fail(self.pending, e)
+
+    def _fail(self, step, e: Exception):
+        """Remove what the failed save left, then raise (and remember) one SaveError."""
+        import shutil
+
+        if jax.process_index() == 0:
+            for name in uncommitted(self.directory):
+                shutil.rmtree(self.directory / name, ignore_errors=True)
+        kept = ", ".join(map(str, committed_steps(self.directory))) or "none"
+        self.failed = SaveError(
+            f"the checkpoint for step {step} could not be written to {self.directory}: {_cause(e)}; "
+            f"training stopped; the committed checkpoints ({kept}) are intact"
+        )
+        raise self.failed from None
 
     def save(self, step: int, state, meta: dict) -> None:
+        self.check()
         if self.last_saved == step:
             return
+        meta = {**meta, "checksums": checksums(state)}
+        meta[META_DIGEST] = _digest(meta)
         if self.cfg.async_save and jax.devices()[0].platform == "cpu":
             # On an accelerator Orbax copies the arrays to host memory before save() returns. On CPU
             # they already are host memory, so it writes from the live buffers; the next step donates
             # them and must wait for the whole write (3.5x step time measured). A copy frees them.
             state = jax.tree.map(lambda x: x.copy(), state)
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        previous, self.pending = self.pending, step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001 — this write failed, or (reported now) the one before it
+            earlier = previous is not None and previous not in committed_steps(self.directory)
+            self._fail(previous if earlier else step, e)
         self.last_saved = step
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._fail(self.pending, e)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save and release the manager. After a failure the manager is left
+        open: closing it under a failed save's threads makes them print tracebacks, and the
+        command exits next (as _read_state does for a failed read)."""
+        if self.failed is None:
+            self.wait()
+            self.manager.close()
 
 
 def read_meta(directory: pathlib.Path, step: int) -> dict:
@@ -136,7 +307,7 @@ def read_meta(directory: pathlib.Path, step: int) -> dict:
             f"checkpoint {directory}/{step} has unreadable metadata ({_first_line(e)}); run spmd-ckpt verify"
         ) from None
     manager.close()
-    return meta
+    return check_meta(directory, step, meta)
 
 
 def saved_arrays(directory: pathlib.Path, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -189,6 +360,12 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial
                 f"checkpoint {directory}/{step}: {key} has shape {saved[key][0]} but this config "
                 f"needs {shape}; use the config the checkpoint was written with"
             )
+        if saved[key][1] != dtype and not partial:  # a parameters-only read casts (e.g. --init-from)
+            raise UserError(
+                f"checkpoint {directory}/{step}: {key} was saved as {saved[key][1]} but this config "
+                f"needs {dtype} (model.param_dtype?); resume with the dtype it was written with, or "
+                f"start from its parameters with --init-from"
+            )
     extra = sorted(set(saved) - set(wanted))
     if extra and not partial:
         raise UserError(f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have")
@@ -198,19 +375,33 @@ def restore(directory: pathlib.Path, step: int, target) -> tuple[dict, dict]:
     """(state laid out as `target`, meta); `target` holds ShapeDtypeStructs with the new shardings
     (Trainer.abstract_state). Each device reads only the chunks of its shards."""
     check_compatible(directory, step, target)
-    return _read_state(directory, step, ocp.args.StandardRestore(target), partial=False)
+    state, meta = _read_state(directory, step, ocp.args.StandardRestore(target), partial=False)
+    check_checksums(directory, step, state, meta)
+    return state, meta
 
 
 def restore_params(directory: pathlib.Path, step: int, abstract_params) -> tuple[dict, dict]:
     """(parameters laid out as `abstract_params`, meta): only the parameters are read, never the
-    optimizer state (evaluation, sampling, or a fresh optimizer from trained weights)."""
+    optimizer state (evaluation, sampling, or a fresh optimizer from trained weights). They are
+    read in the dtype they were saved in, checked against their checksums, then cast to the
+    dtypes `abstract_params` asks for."""
     target = {"params": abstract_params}
     check_compatible(directory, step, target, partial=True)
+    saved = saved_arrays(directory, step)
+    as_saved = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, saved[_key(path)][1], sharding=x.sharding), target
+    )
     args = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+        item=as_saved,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(as_saved),
+        partial_restore=True,
     )
     state, meta = _read_state(directory, step, args, partial=True)
-    return state["params"], meta
+    check_checksums(directory, step, state, meta)
+    params = jax.tree.map(
+        lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), state["params"], abstract_params
+    )
+    return params, meta
 
 
 def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -> tuple[dict, dict]:
@@ -232,9 +423,9 @@ def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -
 
 def verify(directory: pathlib.Path, step: int) -> tuple[int, int]:
     """Read every array of one committed step onto one device and check it against the metadata:
-    (arrays, bytes) read, or an error naming the first array that is unreadable, misshapen or not
-    finite."""
-    read_meta(directory, step)
+    (arrays, bytes) read, or an error naming the first array that is unreadable, misshapen, not
+    finite or different from its saved checksum."""
+    meta = read_meta(directory, step)
     saved_arrays(directory, step)  # readable metadata
     manager = _manager(directory, read_only=True)
     metadata = manager.item_metadata(step)["state"]
@@ -259,6 +450,7 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int]:
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             raise UserError(f"checkpoint {directory}/{step}: {_key(path)} holds NaN or Inf")
         n_bytes += x.nbytes
+    check_checksums(directory, step, state, meta)
     return len(jax.tree.leaves(state)), n_bytes
 
 
@@ -322,7 +514,8 @@ def resume_or_init(
     if source is None:
         return Start(trainer.init_state(), 0, notes)
     directory, step = source
-    if read_meta(directory, step).get("params_only"):
+    meta = check_meta(directory, step, read_meta(directory, step), ("consumed_samples", "global_batch_size"))
+    if meta.get("params_only"):
         raise UserError(
             f"checkpoint {directory}/{step} holds parameters only (e.g. from spmd-ckpt import-hf), no optimizer "
             f"state to resume; start from it with --init-from {directory.parent} and a new --run-dir"
@@ -344,6 +537,15 @@ def resume_or_init(
                 f"the data order after the restore differs from the original run's"
             )
     return Start(state, step, notes)
+
+
+def _cause(e: Exception) -> str:
+    """The operating system's reason inside a TensorStore/Orbax error ("No space left on device"),
+    else its first line."""
+    import re
+
+    m = re.search(r":\s*([A-Z][^:\[\]]*?)\s*\[os_error_code='?\d+", str(e))
+    return m.group(1) if m else _first_line(e)
 
 
 def _first_line(e: Exception) -> str:

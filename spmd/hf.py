@@ -647,7 +647,7 @@ def export_hf(
         if step not in ckpt.committed_steps(directory):
             raise UserError(f"no committed checkpoint for step {step} in {directory}")
         latest = step
-    meta = ckpt.read_meta(directory, latest)
+    meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
     cfg = config_from_json(meta["run"]["config"])
     origin = meta["run"].get("hf") or meta["run"].get("init_from", {}).get("hf") or {}
     arch = export_architecture(cfg.model, origin.get("config"))

@@ -68,7 +68,7 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
                 f"(committed: {', '.join(map(str, ckpt.committed_steps(directory))) or 'none'})"
             )
         latest = step
-    meta = ckpt.read_meta(directory, latest)
+    meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
     cfg = config_from_json(meta["run"]["config"])
     setup = assemble(
         cfg,

@@ -167,3 +167,13 @@ def test_checkpoints_are_uncompressed_and_compressed_ones_still_restore(tiny_cfg
         restored, _ = ckpt.restore(tmp_path / run / ckpt.SUBDIR, 0, trainer.abstract_state)
         for x, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(want))
+
+
+def test_resuming_with_another_param_dtype_is_an_error_naming_both(tiny_cfg, devices, tmp_path):
+    trainer, batches = setup(tiny_cfg, "fsdp=8", "fsdp", 8)
+    save(tmp_path, trainer.init_state(), 0, batches)
+    other, _ = setup(load_config("tiny", ["model.param_dtype=bfloat16"]), "fsdp=8", "fsdp", 8)
+    with pytest.raises(UserError, match="saved as float32 but this config needs bfloat16"):
+        ckpt.restore(tmp_path / ckpt.SUBDIR, 0, other.abstract_state)
+    params, _ = ckpt.restore_params(tmp_path / ckpt.SUBDIR, 0, other.plan.abstract_params)  # casts
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("bfloat16")}

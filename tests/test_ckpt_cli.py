@@ -99,21 +99,32 @@ def test_reshard_then_resume_on_fewer_devices(trained, tmp_path):
     assert ckpt.committed_steps(dst / "checkpoints")[-1] == 12
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def data_files(step_dir):
+    """The checkpoint's array data files, largest first."""
+    return sorted((step_dir / "state").rglob("ocdbt.process_0/d/*"), key=lambda p: -p.stat().st_size)
+
+
+def flip_byte(path, fraction: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * fraction)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
 def test_corruption_is_reported_by_verify_and_resume(trained, tmp_path, damage):
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
-    data_files = sorted(
-        (run_dir / "checkpoints" / "10" / "state").rglob("ocdbt.process_0/d/*"),
-        key=lambda p: p.stat().st_size,
-    )
-    victim = data_files[-1]
+    victim = data_files(run_dir / "checkpoints" / "10")[0]
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:100])
-    else:
+    elif damage == "delete":
         victim.unlink()
+    else:
+        flip_byte(victim, 0.5)
     line = one_error_line(spmd_ckpt("verify", str(run_dir / "checkpoints" / "10")))
     assert "checkpoint" in line and "10" in line and ("corrupt" in line or "incomplete" in line)
+    if damage == "flip":  # read fine, values wrong: only the checksum can tell, and it names the array
+        assert "does not match the checksum saved with it" in line
     line = one_error_line(
         spmd_train(
             "--config",
@@ -128,7 +139,38 @@ def test_corruption_is_reported_by_verify_and_resume(trained, tmp_path, damage):
             str(run_dir),
         )
     )
-    assert "corrupt or incomplete" in line and "--resume-from" in line
+    assert "corrupt" in line and "--resume-from" in line
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.8])
+def test_single_flipped_bytes_never_load_silently(trained, tmp_path, fraction):
+    """One flipped byte in any of the three largest data files: verify and a full restore (resume)
+    refuse the step; a parameters-only restore (eval, sample, --init-from) refuses it whenever the
+    byte belongs to a parameter and otherwise returns the parameters exactly as saved. Before
+    checksums, 8 of 10 such flips loaded changed values."""
+    import jax
+    import numpy as np
+
+    from spmd.errors import UserError
+    from spmd.setup import assemble
+
+    setup = assemble("tiny", "fsdp=8", "fsdp")
+    intact, _ = ckpt.restore_params(trained / "checkpoints", 10, setup.plan.abstract_params)
+    for i in range(3):
+        step_dir = tmp_path / f"f{i}" / "10"
+        shutil.copytree(trained / "checkpoints" / "10", step_dir)
+        flip_byte(data_files(step_dir)[i], fraction)
+        with pytest.raises(UserError, match="corrupt"):
+            ckpt.verify(step_dir.parent, 10)
+        with pytest.raises(UserError, match="corrupt"):
+            ckpt.restore(step_dir.parent, 10, setup.trainer.abstract_state)
+        try:
+            params, _ = ckpt.restore_params(step_dir.parent, 10, setup.plan.abstract_params)
+        except UserError as e:
+            assert "corrupt" in str(e)
+        else:
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(intact)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_resume_from_errors(trained, tmp_path):
@@ -178,3 +220,37 @@ def test_retention_keeps_the_last_k_plus_every_mth(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert ckpt.committed_steps(run_dir / "checkpoints") == [4, 8, 10, 12]
+
+
+def test_edited_or_renamed_metadata_is_refused(trained, tmp_path):
+    """Metadata carries a digest and its step: an edited data position, a step directory renamed,
+    and metadata missing what resume needs are errors, not a quietly shifted data stream."""
+    import json
+
+    from spmd.errors import UserError
+    from spmd.setup import assemble
+
+    setup = assemble("tiny", "fsdp=8", "fsdp")
+    meta_file = "meta/metadata"
+
+    def prepared(name):
+        root = tmp_path / name / ckpt.SUBDIR
+        shutil.copytree(trained / ckpt.SUBDIR / "10", root / "10")
+        return root
+
+    edited = prepared("edited")
+    meta = json.loads((edited / "10" / meta_file).read_text())
+    (edited / "10" / meta_file).write_text(json.dumps({**meta, "consumed_samples": 8}))
+    with pytest.raises(UserError, match="metadata was edited or is corrupt"):
+        ckpt.resume_or_init(setup.trainer, setup.batches(), edited.parent)
+    renamed = prepared("renamed")
+    (renamed / "10").rename(renamed / "11")
+    with pytest.raises(UserError, match="metadata is for step 10; the step directory was renamed"):
+        ckpt.resume_or_init(setup.trainer, setup.batches(), renamed.parent)
+    missing = prepared("missing")
+    body = {k: v for k, v in meta.items() if k not in ("consumed_samples", ckpt.META_DIGEST)}
+    (missing / "10" / meta_file).write_text(json.dumps(body))
+    with pytest.raises(UserError, match="no valid 'consumed_samples'"):
+        ckpt.resume_or_init(setup.trainer, setup.batches(), missing.parent)
+    line = one_error_line(spmd_ckpt("inspect", str(missing)))
+    assert "no valid 'consumed_samples'" in line

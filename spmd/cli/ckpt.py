@@ -105,7 +105,9 @@ def inspect(args) -> int:
         print(f"  step {s:>8}  committed    {fmt_bytes(_dir_bytes(directory / str(s))):>12}")
     for name in ckpt.uncommitted(directory):
         print(f"  {name}  uncommitted (an interrupted save; never restored)")
-    meta = ckpt.read_meta(directory, step)
+    meta = ckpt.check_meta(
+        directory, step, ckpt.read_meta(directory, step), ("consumed_samples", "global_batch_size")
+    )
     run = meta.get("run", {})
     mesh = format_mesh(run.get("mesh", {}).get("shape", {}))
     print(f"\nstep {step}:")
@@ -120,7 +122,7 @@ def inspect(args) -> int:
         print(f"  parameters initialised from {run['init_from']['path']}")
     print(
         f"  data position: {meta['consumed_samples']:,} samples consumed (global batch {meta['global_batch_size']}, "
-        f"seq_len {meta['seq_len']}, seed {meta['seed']})"
+        f"seq_len {meta.get('seq_len')}, seed {meta.get('seed')})"
     )
     arrays = ckpt.saved_arrays(directory, step)
     total = 0
@@ -157,9 +159,12 @@ def reshard(args) -> int:
     from spmd.setup import assemble
 
     directory, step = ckpt.locate(args.src)
-    meta = ckpt.read_meta(directory, step)
+    meta = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run", "consumed_samples"))
     setup = assemble(config_from_json(meta["run"]["config"]), args.mesh, args.rules, dcn_mesh=args.dcn_mesh)
     dst = pathlib.Path(args.dst)
+    blocked = next((p for p in (dst, *dst.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise UserError(f"reshard destination {str(dst)!r} cannot be a directory: {str(blocked)!r} is a file")
     if (dst / ckpt.SUBDIR / str(step)).exists():
         raise UserError(f"{dst / ckpt.SUBDIR / str(step)} already exists; pick another destination")
     state, meta = ckpt.restore(directory, step, setup.trainer.abstract_state)

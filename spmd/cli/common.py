@@ -81,4 +81,4 @@ def run_main(parser: argparse.ArgumentParser, body, argv=None) -> int:
         return body(args)
     except UserError as e:
         report(e)
-        return exit_now(2)
+        return exit_now(getattr(e, "exit_code", 2))
