@@ -98,6 +98,9 @@ class ModelConfig:
             problems.append(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
             )
+        for key in ("init_std", "norm_eps", "rope_theta"):
+            if not 0 < getattr(self, key) < float("inf"):  # NaN, 0 or negative can only give NaN
+                problems.append(f"model.{key} must be a positive number, got {getattr(self, key)}")
         if self.scan_unroll < 1:
             problems.append(f"model.scan_unroll must be positive, got {self.scan_unroll}")
         if self.head_dim % 2:

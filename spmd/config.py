@@ -38,6 +38,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # 0 disables eval
     eval_batches: int = 4
+    max_skipped_steps: int = (
+        5  # consecutive steps with non-finite loss/gradients (skipped) that stop the run; 0: never
+    )
 
     def check(self) -> list[str]:
         problems = []
@@ -52,8 +55,13 @@ class TrainConfig:
         for key in ("warmup_steps", "eval_every", "schedule_steps"):
             if getattr(self, key) < 0:
                 problems.append(f"train.{key} must be >= 0, got {getattr(self, key)}")
-        if self.learning_rate <= 0:
-            problems.append(f"train.learning_rate must be positive, got {self.learning_rate}")
+        if not 0 < self.learning_rate < float("inf"):  # also NaN, which can only train to NaN
+            problems.append(f"train.learning_rate must be a positive number, got {self.learning_rate}")
+        for key in ("weight_decay", "beta1", "beta2", "eps", "grad_clip", "z_loss"):
+            if not 0 <= getattr(self, key) < float("inf"):
+                problems.append(f"train.{key} must be a finite number >= 0, got {getattr(self, key)}")
+        if self.max_skipped_steps < 0:
+            problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         return problems

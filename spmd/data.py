@@ -91,7 +91,7 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
         if fmt == "npy":
             try:
                 tokens = np.load(path, mmap_mode="r")
-            except ValueError as e:
+            except (ValueError, EOFError, OSError) as e:
                 raise UserError(f"data file {str(path)!r} is not a readable .npy array: {e}") from None
             if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
                 raise UserError(
@@ -116,6 +116,16 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
         n_val = max(1, int(len(tokens) * data_cfg.val_fraction))
         train, val = tokens[:-n_val], tokens[-n_val:]
         desc = f"{str(path)} ({fmt}, {len(tokens):,} tokens)"
+    mask = data_cfg.mask_token_id
+    head = np.asarray(train[: 1 << 20])
+    if mask >= 0 and head.size and not np.any(head[1:] != mask):  # targets are tokens 1..
+        raise UserError(
+            f"data.mask_token_id = {mask} masks every target in the first {head.size:,} tokens: the loss "
+            f"would count nothing (NaN); use another id, or -1 for none"
+        )
+    smallest = int(min(train.min(initial=0), val.min(initial=0)))
+    if smallest < 0:
+        raise UserError(f"data holds the negative token id {smallest}; token ids start at 0")
     biggest = int(max(train.max(initial=0), val.max(initial=0)))
     if biggest >= vocab_size:
         raise UserError(

@@ -20,6 +20,8 @@ import time
 import jax
 import numpy as np
 
+from spmd.errors import UserError
+
 
 @dataclasses.dataclass
 class StepInfo:
@@ -53,34 +55,76 @@ class Hook(abc.ABC):
     @abc.abstractmethod
     def __call__(self, info: StepInfo) -> None: ...
 
+    def poll(self) -> None:
+        """Called after every step, due or not: a cheap check that may raise to stop the run."""
+
     def close(self) -> None:
         """Called once when the loop ends, also when it fails."""
 
 
+class Diverged(UserError):
+    """Too many consecutive steps with a non-finite loss or gradient norm (exit code 2)."""
+
+
 class TrainLoop:
-    def __init__(self, step_fn, batches, hooks: list[Hook], stop=None):
+    def __init__(self, step_fn, batches, hooks: list[Hook], stop=None, max_skipped: int = 0):
         """`step_fn(state, batch) -> (state, metrics)`; `stop()` is asked after every step whether to
-        stop early (e.g. Preemption.requested)."""
+        stop early (e.g. Preemption.requested). When the metrics carry `skipped` (the step left the
+        state unchanged: non-finite loss or gradients), `max_skipped` consecutive ones (0: no limit)
+        stop the run with Diverged, before any hook sees the last of them."""
         self.step_fn, self.batches, self.hooks, self.stop = step_fn, batches, hooks, stop
+        self.max_skipped = max_skipped
+        self.skipped = 0  # skipped steps in this run
+        self.streak: list[int] = []  # the current run of consecutive skipped steps
+
+    def _count(self, step: int, skipped) -> None:
+        if skipped is None:
+            return
+        if not int(skipped):
+            self.streak = []
+            return
+        self.skipped += 1
+        self.streak.append(step)
+        if self.max_skipped and len(self.streak) >= self.max_skipped:
+            raise Diverged(
+                f"training diverged: steps {self.streak[0]}-{self.streak[-1]} ({len(self.streak)} in a row, "
+                f"train.max_skipped_steps) had a non-finite loss or gradient norm and were skipped, so "
+                f"parameters and optimizer state are still those of step {self.streak[0] - 1} (as is every "
+                f"checkpoint since); lower train.learning_rate, raise train.warmup_steps or set "
+                f"train.grad_clip, then resume"
+            )
 
     def run(self, state, start_step: int, end_step: int):
         """Steps start_step..end_step-1; returns the last state."""
         clock, train_seconds = time.perf_counter(), 0.0
+        pending = None  # (step, its `skipped` flag), read once the next step is dispatched
         try:
             for step in range(start_step, end_step):
                 state, metrics = self.step_fn(state, self.batches.train_batch(step))
+                for hook in self.hooks:
+                    hook.poll()
+                if pending is not None:
+                    self._count(*pending)  # waits for the previous step only: one step stays in flight
+                    pending = None
                 done = step + 1
                 final, stopping = done == end_step, self.stop is not None and self.stop()
                 due = [hook for hook in self.hooks if hook.should_run(done, final, stopping)]
                 if due:
                     metrics = jax.device_get(metrics)  # waits for the step
+                    self._count(done, metrics.get("skipped"))
                     train_seconds += time.perf_counter() - clock
                     info = StepInfo(done, state, metrics, train_seconds, final, stopping)
+                    if "skipped" in metrics:
+                        info.extra["skipped_steps"] = self.skipped
                     for hook in due:
                         hook(info)
                     clock = time.perf_counter()
+                else:
+                    pending = (done, metrics.get("skipped"))
                 if stopping:
                     break
+            if pending is not None:
+                self._count(*pending)
         finally:
             for hook in self.hooks:
                 hook.close()
@@ -183,6 +227,7 @@ class ProgressHook(LogSchedule):
         self.progress.console.print(
             f"step {info.step:>6}  loss {r['loss']:.4f}  lr {r['learning_rate']:.2e}  "
             f"grad_norm {r['grad_norm']:.3f}  {r['tokens_per_sec']:,.0f} tok/s  MFU {r['mfu']:.1%}"
+            + (f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else "")
             + (f"  eval_loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""),
             highlight=False,
             soft_wrap=True,
@@ -190,6 +235,39 @@ class ProgressHook(LogSchedule):
 
     def close(self) -> None:
         self.progress.stop()
+
+
+class ProfileHook(Hook):
+    """A jax.profiler trace of steps first..last (1-based, inclusive) into `directory`, for
+    TensorBoard's profile plugin or xprof. The trace starts when step first-1 is done and stops
+    when step `last` is done (or the loop ends)."""
+
+    at_end = on_stop = False
+
+    def __init__(self, directory, first: int, last: int, start_step: int):
+        self.directory, self.first, self.last = directory, first, last
+        self.tracing = False
+        if first <= start_step + 1:
+            self._start()
+
+    def _start(self) -> None:
+        jax.profiler.start_trace(str(self.directory))
+        self.tracing = True
+
+    def should_run(self, step: int, final: bool, stopping: bool) -> bool:
+        return step == self.first - 1 or (self.tracing and (step >= self.last or final or stopping))
+
+    def __call__(self, info: StepInfo) -> None:
+        if not self.tracing and info.step == self.first - 1:
+            self._start()
+        elif self.tracing:
+            jax.block_until_ready(info.state)
+            self.close()
+
+    def close(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
 
 
 class CheckpointHook(Hook):
@@ -204,6 +282,9 @@ class CheckpointHook(Hook):
         self.checkpointer.save(info.step, info.state, self.meta(info.step))
         if info.stopping:
             self.checkpointer.wait()
+
+    def poll(self) -> None:
+        self.checkpointer.check()  # a failed background save stops training at the next step
 
     def close(self) -> None:
         self.checkpointer.close()
@@ -249,12 +330,22 @@ class Preemption:
 
 def trim_metrics(path: pathlib.Path, last_step: int) -> None:
     """Drop logged steps after `last_step` from metrics.jsonl (a run killed after its last
-    checkpoint logged them), so that a resumed run continues the file without duplicates."""
+    checkpoint logged them), so that a resumed run continues the file without duplicates. A line a
+    kill cut short (not JSON) is dropped too."""
     import json
 
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+
+    def step(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return float("inf")  # unreadable: dropped
+
+    keep = [
+        line for line in path.read_text(errors="replace").splitlines() if line and step(line) <= last_step
+    ]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)

@@ -79,8 +79,12 @@ class MetricsWriter:
     """Writes each logged step to metrics.jsonl and TensorBoard; draws loss.png at the end."""
 
     def __init__(self, run_dir: pathlib.Path):
+        import logging
+
         from tensorboardX import SummaryWriter
 
+        # A skipped (non-finite) step is logged as NaN on purpose; the step line already says so.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         self.run_dir = run_dir
         path = run_dir / "metrics.jsonl"
         # A resumed run continues the file (already trimmed to the restored step), and its plot.

@@ -191,12 +191,22 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        grad_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient skips the update: parameters and optimizer state stay as
+        # they were (a select, fused into the update, so the kept branch is bit-identical).
+        finite = jnp.isfinite(ce_sum) & jnp.isfinite(z_sum) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state),
+            (state["params"], state["opt_state"]),
+        )
         metrics = {
             "loss": ce_sum / count,
             "z_loss": z_sum / count,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": schedule(state["step"]),
             "tokens": count,
+            "skipped": 1 - finite.astype(jnp.int32),
         }
         if moe:
             load_LE = moe.pop("moe_load_LE")

@@ -106,3 +106,49 @@ def test_loss_masking_and_z_loss(devices):
     np.testing.assert_allclose(m["tokens"], keep.sum())
     np.testing.assert_allclose(m["loss"], ce[keep].mean(), rtol=1e-5)
     np.testing.assert_allclose(m["z_loss"], 1e-3 * (lse[keep] ** 2).mean(), rtol=1e-5)
+
+
+def test_a_non_finite_step_leaves_the_state_unchanged(tiny_cfg, devices):
+    """A NaN in the parameters makes the loss NaN: the jitted step skips the update (parameters,
+    optimizer state bit-identical) and says so; a finite step after it is not skipped."""
+    from spmd.setup import assemble
+
+    setup = assemble(tiny_cfg, "fsdp=4,tensor=2", "fsdp_tp")
+    trainer, batches = setup.trainer, setup.batches()
+    state, metrics = trainer.train_step(trainer.init_state(), batches.train_batch(0))
+    assert int(metrics["skipped"]) == 0
+    good = jax.tree.map(np.asarray, state)
+    poisoned = dict(state, params=jax.tree.map(lambda x: x, state["params"]))
+    poisoned["params"]["final_norm"]["scale_D"] = (
+        poisoned["params"]["final_norm"]["scale_D"].at[0].set(np.nan)
+    )
+    before = jax.tree.map(np.asarray, poisoned)
+    after, metrics = trainer.train_step(poisoned, batches.train_batch(1))
+    assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["grad_norm"]))
+    for a, b in zip(jax.tree.leaves(before["params"]) + jax.tree.leaves(before["opt_state"]),
+                    jax.tree.leaves(after["params"]) + jax.tree.leaves(after["opt_state"])):  # fmt: skip
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert int(after["step"]) == 2  # the step (and the data) moves on
+    state, metrics = trainer.train_step(jax.tree.map(jax.numpy.asarray, good), batches.train_batch(1))
+    assert int(metrics["skipped"]) == 0
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.learning_rate=nan", "train.learning_rate must be a positive number"),
+        ("model.init_std=nan", "model.init_std must be a positive number"),
+        ("model.norm_eps=-1", "model.norm_eps must be a positive number"),
+        ("train.beta2=nan", "train.beta2 must be a finite number"),
+    ],
+)
+def test_config_values_that_can_only_give_nan_are_refused(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config("tiny", [override])
+
+
+def test_a_mask_token_that_masks_every_target_is_refused(tmp_path):
+    path = tmp_path / "sevens.npy"
+    np.save(path, np.full(5000, 7, np.uint16))
+    with pytest.raises(UserError, match="masks every target"):
+        make_batches(load_config("tiny", [f"data.path={path}", "data.mask_token_id=7"]), None)

@@ -81,3 +81,29 @@ def test_throughput_leaves_hook_time_out():
     hooks = [loop.MetricsHook(1, 0, 10, 6.0, 1e9, writer=writer), Recorder(1, "slow", [], sleep=0.2)]
     loop.TrainLoop(step_fn, Steps(), hooks).run({"params": 0}, 0, 3)
     assert all(r["step_time"] < 0.05 for r in writer.history[1:])  # the 0.2 s hook is not a step
+
+
+def test_consecutive_skipped_steps_stop_the_run_before_any_hook_sees_the_last():
+    """Steps 4-8 skip (non-finite); with max_skipped 5 the run stops at step 8 with Diverged, the
+    checkpoint-like hook never runs for it, and a single skip in between resets the streak."""
+    import pytest
+
+    skip = {2, 4, 5, 6, 7, 8}
+
+    def skipping_step(state, batch):
+        state, metrics = step_fn(state, batch)
+        return state, {**metrics, "skipped": np.int32(batch + 1 in skip)}
+
+    calls = []
+    hooks = [Recorder(1, "save", calls)]
+    with pytest.raises(loop.Diverged, match="steps 4-8 .5 in a row"):
+        loop.TrainLoop(skipping_step, Steps(), hooks, max_skipped=5).run({"params": 0}, 0, 20)
+    assert [step for _, step, _ in calls] == [1, 2, 3, 4, 5, 6, 7]
+
+    class Extra(Recorder):
+        def __call__(self, info):
+            self.calls.append(info.extra["skipped_steps"])
+
+    counts = []
+    loop.TrainLoop(skipping_step, Steps(), [Extra(3, "log", counts)], max_skipped=0).run({"params": 0}, 0, 9)
+    assert counts == [1, 4, 6]  # skipped steps so far at steps 3, 6, 9; 0: no limit
