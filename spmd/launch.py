@@ -5,8 +5,12 @@
 Each process gets `SPMD_COORDINATOR` (loopback, a free port), `SPMD_NUM_PROCESSES`,
 `SPMD_PROCESS_ID` and `SPMD_HOST_DEVICES`; its output lines are prefixed with `[i]`. As soon as
 one process fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
-launcher exits with that process's code. SIGTERM/SIGINT are forwarded to every process, so a
-preempted job still saves its checkpoint.
+launcher exits with that process's code (128 + N for a process killed by signal N). SIGTERM/SIGINT
+are forwarded to every process, so a preempted job still saves its checkpoint.
+
+With `max_restarts`, a job that fails with any code but 2 (bad input, which a rerun cannot fix) is
+started again, all processes, after a back-off of 2, 4, 8, ... seconds (at most 60): the same
+spmd-train command resumes from its latest committed checkpoint.
 """
 
 import os
@@ -32,7 +36,37 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
-def launch(n: int, command: list[str], host_devices: int | None = None, port: int | None = None) -> int:
+INPUT_ERROR = 2
+
+
+def launch(
+    n: int,
+    command: list[str],
+    host_devices: int | None = None,
+    port: int | None = None,
+    max_restarts: int = 0,
+    backoff_s: float = 2.0,
+) -> int:
+    """Run the job; restart it up to `max_restarts` times after a failure other than bad input."""
+    attempt = 0
+    while True:
+        code = _launch_once(n, command, host_devices, port)
+        if code in (0, INPUT_ERROR) or attempt >= max_restarts or _stopping:
+            return code
+        attempt += 1
+        wait = min(60.0, backoff_s * 2 ** (attempt - 1))
+        print(
+            f"spmd-launch: the job exited with {code}; restart {attempt} of {max_restarts} in {wait:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(wait)
+
+
+_stopping = False  # a forwarded SIGTERM/SIGINT: the job is being stopped on purpose, no restart
+
+
+def _launch_once(n: int, command: list[str], host_devices: int | None, port: int | None) -> int:
     port = port or free_port()
     procs, pumps = [], []
     for i in range(n):
@@ -44,15 +78,22 @@ def launch(n: int, command: list[str], host_devices: int | None = None, port: in
         )
         if host_devices is not None:
             env["SPMD_HOST_DEVICES"] = str(host_devices)
-        proc = subprocess.Popen(
-            command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as e:  # not found, not executable: before any process started, or after the first
+            for p in procs:
+                p.kill()
+            from spmd.errors import UserError
+
+            raise UserError(f"cannot run {command[0]!r}: {e.strerror}; give the command after --") from None
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out), daemon=True)
@@ -60,6 +101,8 @@ def launch(n: int, command: list[str], host_devices: int | None = None, port: in
             pumps.append(t)
 
     def forward(signum, frame):
+        global _stopping
+        _stopping = True
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -73,6 +116,8 @@ def launch(n: int, command: list[str], host_devices: int | None = None, port: in
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, code = failed[0]
+            if code < 0:  # killed by a signal: report it as a shell does
+                code = 128 - code
             print(
                 f"spmd-launch: process {i} exited with {code}; stopping the others",
                 file=sys.stderr,

@@ -53,7 +53,7 @@ REQUIRED = {
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*", text, re.I)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B?|B)?\s*", text, re.I)
     if not m:
         from spmd.errors import UserError
 
@@ -69,6 +69,11 @@ def hardware(name: str, peak_tflops: float | None = None, ici_gbps: float | None
     hw = {"peak": chip.peak_flops, "ici": chip.ici_bytes_per_s, "dcn": chip.dcn_bytes_per_s}
     for key, value, scale in (("peak", peak_tflops, 1e12), ("ici", ici_gbps, 1e9), ("dcn", dcn_gbps, 1e9)):
         if value is not None:
+            if not (value > 0 and value != float("inf")):
+                from spmd.errors import UserError
+
+                flag = {"peak": "--peak-tflops", "ici": "--ici-gbps", "dcn": "--dcn-gbps"}[key]
+                raise UserError(f"{flag} must be a positive number, got {value}")
             hw[key] = value * scale
     return hw
 

@@ -37,6 +37,10 @@ def read(path: pathlib.Path, kind: str, hint: str = "") -> dict:
     if not path.is_file():
         raise UserError(f"{kind} {str(path)!r} not found{hint}")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{kind} {str(path)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{kind} {str(path)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+        ) from None

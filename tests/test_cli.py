@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -164,6 +165,48 @@ def test_a_directory_with_files_but_no_checkpoints_is_not_reused(tmp_path):
     result = spmd_train("--config", "tiny", "--host-devices", "8", "--run-dir", str(tmp_path), "--steps", "1")
     assert result.returncode == 2 and "already holds files but no checkpoints" in result.stderr
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    for bad, what in ((tmp_path / "notes.txt", "is a file"), (tmp_path / "notes.txt" / "run", "cannot be created"),
+                      (pathlib.Path("/proc/spmd-run"), "cannot be created")):  # fmt: skip
+        result = spmd_train("--config", "tiny", "--host-devices", "8", "--run-dir", str(bad), "--steps", "1")
+        assert (
+            result.returncode == 2 and result.stderr.startswith("error: --run-dir") and what in result.stderr
+        )
+        assert result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command(tmp_path):
+    """kill -9 while the step compiles leaves config.json (and maybe logs, a cut-off metrics line):
+    the same command starts afresh, no --overwrite needed."""
+    run_dir = tmp_path / "run"
+    args = [
+        "--config",
+        "tiny",
+        "--host-devices",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "3",
+        "--log-every",
+        "1",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 120
+    while not (run_dir / "config.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert (run_dir / "config.json").exists() and not (run_dir / "checkpoints" / "3").exists()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "lo')  # as a kill leaves it
+    (run_dir / "tensorboard").mkdir(exist_ok=True)
+    result = spmd_train(*args)
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "3").is_dir()
 
 
 @pytest.mark.parametrize(
@@ -192,3 +235,98 @@ def test_installed_entry_points_run_outside_the_repo(tmp_path, command):
         )
         assert table.returncode == 0, table.stderr
         assert "layers/attn/wq_DNH" in table.stdout
+
+
+@pytest.mark.slow
+def test_one_trainer_per_run_dir_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--config", "tiny", "--host-devices", "8", "--run-dir", str(run_dir)]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    first = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args, "--steps", "100000"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / "config.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        second = spmd_train(*args, "--steps", "2")
+        assert second.returncode == 2, second.stderr
+        line = second.stderr.strip()
+        assert line.startswith("error: run directory") and f"in use by process {first.pid}" in line, line
+        assert "\n" not in line
+    finally:
+        first.kill()
+        first.wait()
+    assert (run_dir / ".lock").exists()  # kill -9 leaves it behind
+    third = spmd_train(*args, "--steps", "2")
+    assert third.returncode == 0, third.stderr
+    assert not (run_dir / ".lock").exists() and (run_dir / "checkpoints" / "2").is_dir()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: room for two checkpoints of `tiny`, not for three."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({result.stderr.decode().strip()[:100]})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_training_with_one_error_and_keeps_earlier_checkpoints(small_disk):
+    from spmd import checkpoint as ckpt
+
+    run_dir = small_disk / "run"
+    result = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "12",
+                        "--checkpoint-every", "2", "--run-dir", str(run_dir))  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: the checkpoint for step "), result.stderr
+    assert "No space left on device" in errors[0]
+    kept = ckpt.committed_steps(run_dir / "checkpoints")
+    assert kept and not ckpt.uncommitted(run_dir / "checkpoints")
+    assert max(kept) < 12  # it stopped: no final checkpoint
+    for step in kept:
+        ckpt.verify(run_dir / "checkpoints", step)
+    assert not (run_dir / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_a_diverged_run_stops_with_an_error_and_finite_checkpoints(tmp_path):
+    """The issue's recipe for NaN (learning rate 1e6, no warmup, no clipping) used to train to the
+    end with exit 0 and rotate out every finite checkpoint."""
+    from spmd import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    result = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "40",
+                        "--checkpoint-every", "2", "--log-every", "1", "--run-dir", str(run_dir),
+                        "--set", "train.learning_rate=1e6", "--set", "train.warmup_steps=0",
+                        "--set", "train.grad_clip=0")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: training diverged: steps ") and "5 in a row" in last
+    assert "Traceback" not in result.stderr
+    steps = ckpt.committed_steps(run_dir / "checkpoints")
+    assert steps and max(steps) < 40
+    for step in steps:
+        ckpt.verify(run_dir / "checkpoints", step)  # finite, checksums intact
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["skipped_steps"] >= 1
+
+
+@pytest.mark.slow
+def test_profile_steps_write_a_trace(tmp_path):
+    run_dir = tmp_path / "run"
+    result = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "4",
+                        "--profile-steps", "2:3", "--run-dir", str(run_dir))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert list((run_dir / "profile").rglob("*.xplane.pb"))
+    bad = spmd_train(
+        "--config", "tiny", "--host-devices", "1", "--profile-steps", "0:2", "--run-dir", str(tmp_path / "b")
+    )
+    assert bad.returncode == 2 and "--profile-steps must look like A:B" in bad.stderr
+    assert not (tmp_path / "b").exists()

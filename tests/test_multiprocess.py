@@ -250,3 +250,23 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_on_every_process(tmp_path):
     steps = ckpt.committed_steps(run_dir / "checkpoints")
     assert len(steps) == 1 and steps[0] >= 3
     assert f"[0] stopped by signal 15: checkpoint for step {steps[0]} committed" in stderr
+
+
+def test_max_restarts_resumes_a_killed_job_to_the_uninterrupted_losses(reference, tmp_path):
+    """Both processes are killed (-9) after step 8 on the first attempt; --max-restarts starts the
+    job again, which resumes from the step-8 checkpoint and ends with the reference's losses."""
+    import shlex
+
+    run_dir, mark = tmp_path / "run", tmp_path / "killed-once"
+    train = shlex.join([sys.executable, *TRAIN, "--mesh", "data=2,fsdp=2,tensor=2", "--checkpoint-every", "4",
+                        "--run-dir", str(run_dir)])  # fmt: skip
+    script = (
+        f"if [ -e {mark} ]; then exec {train} --steps 12; fi; {train} --steps 8 && touch {mark} && kill -9 $$"
+    )
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2", "--host-devices", "4",
+           "--max-restarts", "2", "--", "bash", "-c", script]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exited with 137" in result.stderr and "restart 1 of 2" in result.stderr
+    assert f"resumed from {run_dir / 'checkpoints'}/8" in result.stderr
+    assert_close(records(run_dir), reference)

@@ -34,6 +34,12 @@ def run(args) -> int:
     overrides = [f"data.path={args.data}"] if args.data else []
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
     batches = loaded.setup.batches()
+    distinct = max(1, batches.n_val_windows // batches.global_batch_size)
+    if args.batches is not None and args.batches > distinct:
+        raise UserError(
+            f"--batches {args.batches} is more than the held-out split holds ({distinct} batches of "
+            f"{batches.global_batch_size} x {batches.seq_len} tokens); ask for at most {distinct}"
+        )
     result = inference.evaluate(loaded, batches, args.batches or loaded.cfg.train.eval_batches)
     result["data"] = batches.description
     if args.json:

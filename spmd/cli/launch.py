@@ -20,6 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-devices", dest="child_host_devices", type=int, help="simulated CPU devices per process"
     )
     p.add_argument("--port", type=int, help="coordinator port [a free one]")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole job up to N times when it fails (any exit code but 2, bad input), after "
+        "a back-off of 2, 4, 8... s; spmd-train resumes from its latest committed checkpoint [0]",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run in every process")
     return p
 
@@ -37,7 +44,21 @@ def run(args) -> int:
         raise UserError("give the command to run after --, e.g. spmd-launch --processes 2 -- spmd-train ...")
     if args.processes < 1:
         raise UserError(f"--processes must be positive, got {args.processes}")
-    return launch(args.processes, command, args.child_host_devices, args.port)
+    if args.port is not None:
+        import socket
+
+        if not 1 <= args.port <= 65535:
+            raise UserError(f"--port must be between 1 and 65535, got {args.port}")
+        with socket.socket() as s:  # a busy port would make process 0's coordinator abort
+            try:
+                s.bind(("127.0.0.1", args.port))
+            except OSError as e:
+                raise UserError(
+                    f"--port {args.port} is not free ({e.strerror}); pick another or leave it out"
+                ) from None
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    return launch(args.processes, command, args.child_host_devices, args.port, args.max_restarts)
 
 
 if __name__ == "__main__":

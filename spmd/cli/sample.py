@@ -1,6 +1,7 @@
 """`spmd-sample`: text from a run's checkpoint with KV-cache decoding, on any mesh."""
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -27,7 +28,7 @@ def run(args) -> int:
     from spmd import inference
     from spmd.errors import UserError
 
-    if args.temperature < 0:
+    if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0 = no limit), got {args.top_k}")
@@ -38,7 +39,12 @@ def run(args) -> int:
         path = pathlib.Path(args.prompts_file)
         if not path.is_file():
             raise UserError(f"prompts file {str(path)!r} not found")
-        texts += [line for line in path.read_text().splitlines() if line]
+        try:
+            texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"prompts file {str(path)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+            ) from None
     if not texts:
         raise UserError("give a --prompt or a --prompts-file")
     from spmd import tokenizer as tokenizer_lib

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints resumes from its latest committed one",
     )
     add(
+        "--profile-steps",
+        metavar="A:B",
+        help="write a jax.profiler trace of steps A..B (1-based, inclusive) into <run-dir>/profile/ "
+        "(open it with TensorBoard's profile plugin or xprof)",
+    )
+    add(
         "--init-from",
         metavar="PATH",
         help="start from the parameters of a checkpoint (a run dir or one step, e.g. one spmd-ckpt import-hf "
@@ -121,6 +127,7 @@ def run(args) -> int:
     distributed.initialize_from_flags(args)
     import jax
 
+    from spmd import runlock
     from spmd import sharding as sharding_lib
     from spmd.checkpoint import resume_or_init
     from spmd.rules import rules_table
@@ -130,6 +137,7 @@ def run(args) -> int:
         f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
     ]
     init = initial_parameters(args)
+    profile = profile_steps(args.profile_steps)
     config = args.config or (init["config"] if init else "small")
     setup = assemble(config, args.mesh, args.rules, overrides=overrides, dcn_mesh=args.dcn_mesh)
     is_main = jax.process_index() == 0
@@ -142,12 +150,34 @@ def run(args) -> int:
     batches = setup.batches()
     run_dir = pathlib.Path(args.run_dir or f"runs/{setup.cfg.name}")
     start = resume_or_init(setup.trainer, batches, run_dir, args.resume_from, args.overwrite, args.init_from)
-    prepare_run_dir(run_dir, start.step, args.overwrite, is_main)
-    # Everything above validated the input; from here on we write.
-    resolved = describe_run(setup, batches, run_dir, start.notes, is_main, init["record"] if init else None)
-    if init and is_main:
-        copy_tokenizer(init["run_dir"], run_dir)
-    return train(setup, batches, run_dir, start, resolved, is_main)
+    # Everything above validated the input; from here on we write, holding the run dir's lock.
+    lock = runlock.acquire(run_dir)
+    try:
+        prepare_run_dir(run_dir, start.step, args.overwrite, is_main)
+        resolved = describe_run(
+            setup, batches, run_dir, start.notes, is_main, init["record"] if init else None
+        )
+        if init and is_main:
+            copy_tokenizer(init["run_dir"], run_dir)
+        return train(setup, batches, run_dir, start, resolved, is_main, profile)
+    finally:
+        lock.release()
+
+
+def profile_steps(text: str | None) -> tuple[int, int] | None:
+    """--profile-steps A:B -> (A, B), 1-based and inclusive."""
+    if text is None:
+        return None
+    from spmd.errors import UserError
+
+    first, colon, last = text.partition(":")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        a, b = 0, 0
+    if not (colon or not last) or not 1 <= a <= b:
+        raise UserError(f"--profile-steps must look like A:B with 1 <= A <= B (steps, 1-based), got {text!r}")
+    return a, b
 
 
 def initial_parameters(args) -> dict | None:
@@ -162,7 +192,7 @@ def initial_parameters(args) -> dict | None:
     if args.resume_from:
         raise UserError("--init-from and --resume-from exclude each other: one starts fresh, one resumes")
     directory, step = ckpt.locate(args.init_from)
-    run = ckpt.read_meta(directory, step)["run"]
+    run = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run",))["run"]
     record = {"path": str(directory / str(step)), "step": step}
     origin = run.get("hf") or run.get("init_from", {}).get("hf")
     if origin:
@@ -180,25 +210,57 @@ def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+# What a run writes into its directory before its first checkpoint commits: a directory holding
+# only these is a run that started and never checkpointed (killed while compiling, say), and the
+# same command starts it afresh instead of refusing it.
+RUN_FILES = {
+    "config.json",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "tensorboard",
+    "loss.png",
+    "checkpoints",
+    ".lock",
+    "profile",
+}
+
+
 def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool) -> None:
     """Make (or, with --overwrite, replace) the run directory; a resumed run's metrics.jsonl is cut
-    back to the restored step. Every process checks (the run dir is on a shared filesystem), so all
-    fail alike; process 0 writes."""
+    back to the restored step, and a run that never checkpointed is started afresh (its logs
+    cleared). Every process checks (the run dir is on a shared filesystem), so all fail alike;
+    process 0 writes."""
     import jax
 
-    from spmd.checkpoint import SUBDIR
+    from spmd import runlock
+    from spmd.checkpoint import SUBDIR, committed_steps
     from spmd.errors import UserError
+    from spmd.hf import TOKENIZER_FILES
     from spmd.loop import trim_metrics
 
-    has_files = run_dir.exists() and any(run_dir.iterdir())
-    if has_files and not overwrite and not (run_dir / SUBDIR).is_dir():
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {str(run_dir)!r} is a file; give a directory")
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    never_checkpointed = not committed_steps(run_dir / SUBDIR)
+    if entries and never_checkpointed and not overwrite and not entries <= RUN_FILES | set(TOKENIZER_FILES):
         raise UserError(
             f"run directory {str(run_dir)!r} already holds files but no checkpoints; pass a new --run-dir or --overwrite"
         )
     if is_main:
-        if has_files and overwrite:
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if entries and overwrite:  # everything but the lock we hold
+                for path in run_dir.iterdir():
+                    if path.name != runlock.LOCK:
+                        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            elif entries and never_checkpointed and start_step == 0:
+                for name in ("tensorboard", "loss.png"):  # the abandoned start's logs
+                    path = run_dir / name
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(
+                f"--run-dir {str(run_dir)!r} cannot be created or cleared: {e.strerror}"
+            ) from None
         trim_metrics(run_dir / "metrics.jsonl", start_step)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -251,7 +313,7 @@ def describe_run(
     return resolved
 
 
-def train(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool) -> int:
+def train(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool, profile=None) -> int:
     """Compile the step, then run the loop with its hooks from `start` to train.steps."""
     from spmd import checkpoint as ckpt
     from spmd import loop
@@ -284,10 +346,12 @@ def train(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             checkpointer, cfg.checkpoint.every, lambda step: ckpt.step_meta(step, batches, tcfg, resolved)
         )
     )
+    if profile is not None and is_main:
+        hooks.append(loop.ProfileHook(run_dir / "profile", *profile, start.step))
     preemption = loop.Preemption().install()
-    loop.TrainLoop(step_fn, batches, hooks, stop=preemption.requested).run(
-        start.state, start.step, tcfg.steps
-    )
+    loop.TrainLoop(
+        step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps
+    ).run(start.state, start.step, tcfg.steps)
 
     if preemption.signal is not None:
         if is_main:

@@ -1,0 +1,104 @@
+"""Hostile input a user met (issue 17's list): each is one `error:` line, exit code 2, and nothing
+written."""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_cli import ROOT
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A directory of bad files, and a small real run (an imported HF fixture) to point commands at."""
+    from spmd import hf
+
+    d = tmp_path_factory.mktemp("bad")
+    (d / "bad.toml").write_bytes(b"[model]\nd_model = 64 # \xff\xfe\n")
+    (d / "badrules.toml").write_bytes(b'extends = "fsdp"\n# \xff\n')
+    (d / "prompts.txt").write_bytes(b"hello \xff\n")
+    (d / "empty.npy").write_bytes(b"")
+    np.save(d / "neg.npy", np.array([1, -3, 5] * 100, np.int32))
+    np.save(d / "tokens.npy", np.random.default_rng(0).integers(0, 128, 4000).astype(np.uint16))
+    (d / "afile").write_text("x")
+    hf.import_hf(str(FIXTURES / "llama"), str(d / "run"))
+    return d
+
+
+CASES = {
+    "config not UTF-8": (
+        ["train.py", "--config", "{d}/bad.toml"], "config file '{d}/bad.toml' is not UTF-8 text"),
+    "rules not UTF-8": (
+        ["train.py", "--config", "tiny", "--rules", "{d}/badrules.toml"], "rules file '{d}/badrules.toml' is not UTF-8"),
+    "prompts not UTF-8": (
+        ["sample.py", "--run-dir", "{d}/run", "--prompts-file", "{d}/prompts.txt"], "is not UTF-8 text"),
+    "empty .npy": (
+        ["train.py", "--config", "tiny", "--set", "data.path={d}/empty.npy", "--run-dir", "{d}/r1"],
+        "is not a readable .npy array"),
+    "negative token ids": (
+        ["train.py", "--config", "tiny", "--set", "data.path={d}/neg.npy", "--set", "train.seq_len=8",
+         "--run-dir", "{d}/r2"], "negative token id -3"),
+    "reshard onto a file": (
+        ["ckpt.py", "reshard", "{d}/run", "{d}/afile/x", "--mesh", "fsdp=1", "--rules", "fsdp"],
+        "'{d}/afile' is a file"),
+    "memory with two dots": (
+        ["plan.py", "--config", "tiny", "--devices", "8", "--memory-per-device", "1.2.3GiB"], "must look like 80GiB"),
+    "zero peak": (
+        ["plan.py", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--peak-tflops", "0"],
+        "--peak-tflops must be a positive number"),
+    "negative peak": (
+        ["plan.py", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--peak-tflops", "-5"],
+        "--peak-tflops must be a positive number"),
+    "zero ici": (
+        ["plan.py", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--ici-gbps", "0"],
+        "--ici-gbps must be a positive number"),
+    "launch a missing command": (
+        ["launch.py", "--processes", "2", "--", "/nonexistent/cmd"], "cannot run '/nonexistent/cmd'"),
+    "nan temperature": (
+        ["sample.py", "--run-dir", "{d}/run", "--prompt", "w5", "--temperature", "nan"], "--temperature must be >= 0"),
+    "more eval batches than held-out data": (
+        ["eval.py", "--run-dir", "{d}/run", "--data", "{d}/tokens.npy", "--batches", "100000000"],
+        "more than the held-out split holds"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_error_line(files, case):
+    args, expected = CASES[case]
+    script, *rest = args
+    cmd = [sys.executable, str(ROOT / "scripts" / script), *(a.format(d=files) for a in rest)]
+    if script in ("train.py", "sample.py", "eval.py", "ckpt.py"):
+        cmd += ["--host-devices", "1"] + (["--mesh", "fsdp=1"] if script in ("sample.py", "eval.py") else [])
+    before = sorted(p.name for p in files.iterdir())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected.format(d=files) in lines[0]
+    assert sorted(p.name for p in files.iterdir()) == before  # nothing written
+
+
+def test_launcher_ports_and_signalled_children():
+    import socket
+
+    launch = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2"]
+
+    def run(*args):
+        return subprocess.run(
+            [*launch, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run("--port", str(port), "--", "true")
+        assert result.returncode == 2 and result.stderr.startswith(f"error: --port {port} is not free")
+    result = run("--port", "99999", "--", "true")
+    assert result.returncode == 2 and "--port must be between 1 and 65535" in result.stderr
+    result = run("--", "bash", "-c", "kill -9 $$")  # a child killed by SIGKILL: 128 + 9, as a shell says
+    assert result.returncode == 137, result.stderr
