@@ -149,9 +149,9 @@ def test_killing_one_process_stops_the_job_and_a_relaunch_resumes(tmp_path):
     os.kill(_pid_of(port, 1), signal.SIGKILL)
     killed = time.time()
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 137  # 128 + SIGKILL, as a shell reports it
     assert time.time() - killed < 60, "the launcher must notice a dead process promptly"
-    assert "process 1 exited with -9" in stderr
+    assert "process 1 exited with 137" in stderr
     last = ckpt.committed_steps(run_dir / "checkpoints")[-1]
     verify = subprocess.run(
         [
