@@ -98,6 +98,12 @@ def _manager(
     return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=handlers)
 
 
+def run_dir_of(directory: pathlib.Path) -> pathlib.Path:
+    """The run directory a checkpoints directory (as `locate` returns it) belongs to: where the
+    run's other files (config, tokenizer) lie."""
+    return directory.parent if directory.name == SUBDIR else directory
+
+
 def committed_steps(directory: pathlib.Path) -> list[int]:
     """Steps whose checkpoint finished (renamed from its temporary name)."""
     if not directory.is_dir():

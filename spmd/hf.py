@@ -659,8 +659,7 @@ def export_hf(
     dest = pathlib.Path(out).expanduser()
     _empty_destination(dest, "--out")
     config = hf_config(cfg.model, arch, origin.get("config"), cfg.train.seq_len, dtype)
-    mapping = tensors(cfg.model)  # errors for what HF cannot express, before reading anything
-    del mapping
+    tensors(cfg.model)  # raises for what HF cannot express, before anything is read
 
     setup = assemble(cfg, mesh, rules, optimizer=False, batch_size=0)
     params, _ = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
@@ -705,7 +704,7 @@ def export_hf(
             k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None
         }
         (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        run_dir = directory.parent if directory.name == ckpt.SUBDIR else directory
+        run_dir = ckpt.run_dir_of(directory)
         for name in TOKENIZER_FILES:
             if (run_dir / name).is_file():
                 shutil.copy2(run_dir / name, tmp / name)

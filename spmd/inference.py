@@ -80,9 +80,7 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
         batch_size=batch if batch is not None else cfg.train.global_batch_size,
     )
     params, meta = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
-    return Loaded(
-        setup, latest, meta, params, directory.parent if directory.name == ckpt.SUBDIR else directory
-    )
+    return Loaded(setup, latest, meta, params, ckpt.run_dir_of(directory))
 
 
 def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:

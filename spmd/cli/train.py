@@ -197,7 +197,7 @@ def initial_parameters(args) -> dict | None:
     origin = run.get("hf") or run.get("init_from", {}).get("hf")
     if origin:
         record["hf"] = origin
-    run_dir = directory.parent if directory.name == ckpt.SUBDIR else directory
+    run_dir = ckpt.run_dir_of(directory)
     return {"config": config_from_json(run["config"]), "record": record, "run_dir": run_dir}
 
 
