@@ -161,17 +161,19 @@ def test_trains_tiny_end_to_end(tmp_path):
 
 
 def test_a_directory_with_files_but_no_checkpoints_is_not_reused(tmp_path):
+    """The run-dir checks spmd-train makes before it writes anything (in-process: the CLI turns
+    these UserErrors into one `error:` line and exit 2, as test_bad_input checks)."""
+    from spmd.cli.train import prepare_run_dir
+    from spmd.errors import UserError
+
     (tmp_path / "notes.txt").write_text("mine")
-    result = spmd_train("--config", "tiny", "--host-devices", "8", "--run-dir", str(tmp_path), "--steps", "1")
-    assert result.returncode == 2 and "already holds files but no checkpoints" in result.stderr
+    with pytest.raises(UserError, match="already holds files but no checkpoints"):
+        prepare_run_dir(tmp_path, 0, False, True)
     assert (tmp_path / "notes.txt").read_text() == "mine"
     for bad, what in ((tmp_path / "notes.txt", "is a file"), (tmp_path / "notes.txt" / "run", "cannot be created"),
                       (pathlib.Path("/proc/spmd-run"), "cannot be created")):  # fmt: skip
-        result = spmd_train("--config", "tiny", "--host-devices", "8", "--run-dir", str(bad), "--steps", "1")
-        assert (
-            result.returncode == 2 and result.stderr.startswith("error: --run-dir") and what in result.stderr
-        )
-        assert result.stderr.count("\n") == 1, result.stderr
+        with pytest.raises(UserError, match=f"^--run-dir .*{what}"):
+            prepare_run_dir(bad, 0, False, True)
 
 
 @pytest.mark.slow
@@ -211,7 +213,16 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command
 
 @pytest.mark.parametrize(
     "command",
-    ["spmd-train", "spmd-ckpt", "spmd-eval", "spmd-sample", "spmd-launch", "spmd-dryrun", "spmd-plan"],
+    [
+        "spmd-train",
+        "spmd-ckpt",
+        "spmd-eval",
+        "spmd-sample",
+        "spmd-launch",
+        "spmd-dryrun",
+        "spmd-plan",
+        "spmd-data",
+    ],
 )
 def test_installed_entry_points_run_outside_the_repo(tmp_path, command):
     """The console scripts import every package they need from the installation (not the repo root)."""

@@ -262,7 +262,7 @@ def test_unmapped_tensor_and_unsupported_architecture_are_refused(tmp_path):
 
 def test_export_refuses_what_no_hf_family_expresses(tmp_path):
     cfg = load_config("tiny-moe")  # shared experts, dense layers between MoE layers
-    setup = assemble(cfg, "fsdp=8", "fsdp")
+    setup = assemble(cfg, "fsdp=1", "fsdp", devices=jax.devices()[:1])
     batches = setup.batches()
     writer = ckpt.Checkpointer(tmp_path / "run", cfg.checkpoint)
     writer.save(0, setup.trainer.init_state(), ckpt.step_meta(0, batches, cfg.train, setup.to_json()))

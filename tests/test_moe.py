@@ -98,9 +98,16 @@ def moe_reference():
     }
 
 
-@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+# Both dispatches on the plain expert layout; each mixed layout with one of them (the dispatch
+# code does not depend on which other axes are there).
 @pytest.mark.parametrize(
-    "rules,mesh", [("ep", "expert=4"), ("fsdp_ep", "fsdp=2,expert=4"), ("ep", "data=2,expert=2,tensor=2")]
+    "dispatch,rules,mesh",
+    [
+        ("capacity", "ep", "expert=4"),
+        ("dropless", "ep", "expert=4"),
+        ("capacity", "fsdp_ep", "fsdp=2,expert=4"),
+        ("dropless", "ep", "data=2,expert=2,tensor=2"),
+    ],
 )
 def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rules, mesh):
     ref_losses, ref_params, _ = moe_reference[dispatch]
