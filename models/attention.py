@@ -12,13 +12,15 @@ import jax.numpy as jnp
 
 from kernels.chunked_attention import chunked_attention
 from kernels.flash_attention import flash_attention
-from spmd.logical import KV_AXES, Q_AXES, is_split, per_shard, provided
+from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provided
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
 CHUNKED_FROM = 1024
 
 
-def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT=None, k_positions_BS=None):
+def xla_attention(
+    q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT=None, k_positions_BS=None, segment_ids_BT=None
+):
     """Plain softmax attention; GQA by grouping query heads, never repeating K/V.
 
     Each kv head's G query heads are laid end to end along the query axis (Q = G*T), so both
@@ -27,6 +29,8 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT
 
     With positions (KV-cache decoding, left-padded batches) a key is seen when
     0 <= key position <= query position; a negative position marks padding or an empty slot.
+    With segment ids (packed documents, self-attention: S = T) a key is seen only by queries of
+    its own segment.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -41,6 +45,12 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT
         mask_BTS = (kpos_B1S >= 0) & (kpos_B1S <= q_positions_BT[:, :, None])
         mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
         logits_bQS = jnp.where(mask_bQS, logits_bQS, jnp.finfo(jnp.float32).min)
+    elif segment_ids_BT is not None:
+        mask_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+        if causal:
+            mask_BTS = mask_BTS & (jnp.arange(T)[:, None] >= jnp.arange(S)[None, :])[None]
+        mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
+        logits_bQS = jnp.where(mask_bQS, logits_bQS, jnp.finfo(jnp.float32).min)
     elif causal:
         t_Q = jnp.tile(jnp.arange(T), G)  # query position of each row of Q
         mask_QS = t_Q[:, None] >= jnp.arange(S)[None, :]
@@ -50,12 +60,17 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT
     return out_bQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True):
+def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None):
     """The Pallas flash kernel, run per device on its batch and head shards (GSPMD cannot split a
     kernel call itself)."""
-    return per_shard(functools.partial(flash_attention, causal=causal), (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(
-        q_BTNH, k_BSKH, v_BSKH
-    )
+    if segment_ids_BT is None:
+        kernel = functools.partial(flash_attention, causal=causal)
+        return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q_BTNH, k_BSKH, v_BSKH)
+
+    def kernel(q, k, v, seg):
+        return flash_attention(q, k, v, causal=causal, segment_ids_BT=seg)
+
+    return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES, TOKEN_AXES), Q_AXES)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
 ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": pallas_attention}
@@ -64,22 +79,27 @@ ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas":
 LOCAL_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": flash_attention}
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str):
-    """Causal self-attention of one training sequence. When the active sharding rules split the
-    sequence over devices, context parallelism (ring, Ulysses or all-gather) takes over; the tokens'
-    positions then define the mask, since the sequence may be permuted for load balance. That
-    implementation is handed in through the seam (spmd/context.py provides it)."""
+def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None):
+    """Causal self-attention of one training sequence (of packed documents, with segment ids).
+    When the active sharding rules split the sequence over devices, context parallelism (ring,
+    Ulysses or all-gather) takes over; the tokens' positions then define the mask, since the
+    sequence may be permuted for load balance (positions restart at each packed document, so
+    within a segment they still order the tokens). That implementation is handed in through the
+    seam (spmd/context.py provides it)."""
     if is_split("seq"):
         return provided("context_attention")(
             q_BTNH,
             k_BTKH,
             v_BTKH,
             positions_BT,
+            segment_ids_BT,
             causal=True,
             local_impl=LOCAL_IMPLS[impl],
             kernel=impl == "pallas",
         )
-    return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+    if segment_ids_BT is None:
+        return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
+    return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids_BT=segment_ids_BT)
 
 
 CHOICES = (*ATTENTION_IMPLS, "auto")

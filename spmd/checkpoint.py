@@ -460,8 +460,9 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int]:
     return len(jax.tree.leaves(state)), n_bytes
 
 
-def step_meta(step: int, batches, train_cfg, run: dict) -> dict:
-    """The metadata saved with a step: the data position, and the resolved run that wrote it."""
+def step_meta(step: int, batches, train_cfg, run: dict, goodput: dict | None = None) -> dict:
+    """The metadata saved with a step: the data position, the resolved run that wrote it, and the
+    goodput ledger so far (spmd.goodput: seconds per bucket, carried over restarts)."""
     return {
         "version": META_VERSION,
         "step": step,
@@ -470,6 +471,7 @@ def step_meta(step: int, batches, train_cfg, run: dict) -> dict:
         "seq_len": train_cfg.seq_len,
         "seed": train_cfg.seed,
         "run": run,
+        **({"goodput": goodput} if goodput is not None else {}),
     }
 
 
@@ -480,6 +482,7 @@ class Start:
     state: dict
     step: int
     notes: list[str]
+    goodput: dict = dataclasses.field(default_factory=dict)  # the restored step's ledger (spmd.goodput)
 
 
 def resume_or_init(
@@ -542,7 +545,8 @@ def resume_or_init(
                 f"warning: train.{key} was {meta[key]} when the checkpoint was written and is {now} now; "
                 f"the data order after the restore differs from the original run's"
             )
-    return Start(state, step, notes)
+    ledger = meta.get("goodput")
+    return Start(state, step, notes, ledger if isinstance(ledger, dict) else {})
 
 
 def _cause(e: Exception) -> str:

@@ -41,6 +41,9 @@ class TrainConfig:
     max_skipped_steps: int = (
         5  # consecutive steps with non-finite loss/gradients (skipped) that stop the run; 0: never
     )
+    step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
+    # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
+    # least 300; negative: off
 
     def check(self) -> list[str]:
         problems = []
@@ -60,11 +63,60 @@ class TrainConfig:
         for key in ("weight_decay", "beta1", "beta2", "eps", "grad_clip", "z_loss"):
             if not 0 <= getattr(self, key) < float("inf"):
                 problems.append(f"train.{key} must be a finite number >= 0, got {getattr(self, key)}")
+        if self.step_timeout != self.step_timeout or self.step_timeout == float("inf"):
+            problems.append(
+                f"train.step_timeout must be a number of seconds (0: automatic, < 0: off), got {self.step_timeout}"
+            )
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One source of a weighted mixture (`[[data.sources]]`): sample i of the run comes from a
+    source chosen by a pure function of i (spmd/data.py), so the mixture resumes and reshards."""
+
+    path: str
+    weight: float = 1.0
+    name: str = ""  # "": the path's last component; names eval_loss/<name>
+
+    @property
+    def label(self) -> str:
+        return self.name or pathlib.Path(self.path).name or self.path
+
+
+def parse_sources(value, where: str) -> tuple[Source, ...]:
+    """`[[data.sources]]` tables (TOML), a JSON list of them (--set), or Sources already."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise UserError(
+                f'{where}: data.sources must be a JSON list, e.g. [{{"path": "data/a", "weight": 2}}]'
+            ) from None
+    if not isinstance(value, (list, tuple)):
+        raise UserError(f"{where}: data.sources must be a list of tables with path, weight and name")
+    out = []
+    for item in value:
+        if isinstance(item, Source):
+            out.append(item)
+            continue
+        if not isinstance(item, dict) or "path" not in item or set(item) - {"path", "weight", "name"}:
+            raise UserError(
+                f"{where}: each data.sources entry takes path (required), weight and name; got {item!r}"
+            )
+        weight = item.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise UserError(f"{where}: data.sources weight must be a number, got {weight!r}")
+        if not isinstance(item["path"], str) or not isinstance(item.get("name", ""), str):
+            raise UserError(f"{where}: data.sources path and name must be strings")
+        out.append(Source(item["path"], float(weight), item.get("name", "")))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +126,30 @@ class DataConfig:
     bin_dtype: str = "uint16"  # token dtype of a raw .bin file: uint16 | uint32
     val_fraction: float = 0.02  # held-out share (by file for the embedded corpus, else the tail)
     mask_token_id: int = -1  # targets equal to this id do not count in the loss; -1: none
+    tokenizer: str = ""  # "": the prepared data's own (else bytes) | bytes | a tokenizer.json / .model path
+    # concat: windows across documents | segments: documents kept apart (spmd/data.py)
+    packing: str = "concat"
+    sources: tuple[Source, ...] = ()  # a weighted mixture instead of data.path ([[data.sources]])
+
+    def __post_init__(self):
+        object.__setattr__(self, "sources", parse_sources(self.sources, "config"))
 
     def check(self) -> list[str]:
         problems = []
+        if self.sources and self.path:
+            problems.append("data.path and data.sources exclude each other: give one data path or a mixture")
+        for src in self.sources:
+            if not 0 < src.weight < float("inf"):
+                problems.append(
+                    f"data.sources {src.label!r}: weight must be a positive number, got {src.weight}"
+                )
+            if not src.path:
+                problems.append("data.sources: every source needs a path")
+        labels = [src.label for src in self.sources]
+        if len(set(labels)) != len(labels):
+            problems.append(f"data.sources names must differ (they name eval_loss/<name>), got {labels}")
+        if self.packing not in ("concat", "segments"):
+            problems.append(f"data.packing must be concat or segments, got {self.packing!r}")
         if self.format not in ("auto", "text", "npy", "bin"):
             problems.append(f"data.format must be auto, text, npy or bin, got {self.format!r}")
         if self.bin_dtype not in ("uint16", "uint32"):
@@ -156,6 +229,8 @@ def _type_name(t) -> str:
 
 def _coerce(key: str, value, t, source: str):
     """Check (TOML value) or parse (string from --set) `value` as type `t`."""
+    if key == "data.sources":
+        return parse_sources(value, source)
     if isinstance(value, str) and source == "--set" and t is not str:
         text = value.strip()
         try:

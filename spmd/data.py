@@ -7,6 +7,13 @@ the next batch, so the data position survives a restart on any number of devices
 
 Each process reads only the rows of the global batch that its devices hold, and the batch is
 assembled with `jax.make_array_from_process_local_data`.
+
+Packing (`data.packing`): `concat` cuts the token stream into windows that run across document
+boundaries; `segments` (prepared directories, which know where documents end) cuts the same
+windows but tells the model where each document starts: segment ids (attention stays within a
+document), positions that restart at each document, and a loss mask that leaves out predicting
+a document's first token from the one before. Documents are packed back to back and split at
+window edges, so nothing is padded. Window i is still a pure function of (seed, i).
 """
 
 import dataclasses
@@ -68,13 +75,116 @@ def stdlib_corpus(val_fraction: float) -> tuple[pathlib.Path, pathlib.Path]:
     return train_path, val_path
 
 
+class TokenStream:
+    """A prepared split's shards as one 1-D token sequence (memory-mapped; slices may cross
+    shards), with the end offset of every document."""
+
+    def __init__(self, directory: pathlib.Path, manifest: dict, split: str):
+        dtype = np.dtype(manifest["dtype"])
+        shards = manifest["splits"][split]["shards"]
+        self.parts, ends, offset = [], [], 0
+        for shard in shards:
+            if shard["tokens"]:
+                self.parts.append(np.memmap(directory / shard["bin"], dtype=dtype, mode="r"))
+                ends.append(np.fromfile(directory / shard["idx"], dtype=np.int64) + offset)
+                offset += shard["tokens"]
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self.doc_ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, _ = index.indices(len(self))
+        pieces = []
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            part_stop = min(stop, int(self.starts[k + 1]))
+            pieces.append(self.parts[k][start - self.starts[k] : part_stop - self.starts[k]])
+            start, k = part_stop, k + 1
+        return np.concatenate(pieces) if len(pieces) != 1 else np.asarray(pieces[0])
+
+    def min(self, initial=0) -> int:
+        return min(int(p.min(initial=initial)) for p in self.parts) if self.parts else initial
+
+    def max(self, initial=0) -> int:
+        return max(int(p.max(initial=initial)) for p in self.parts) if self.parts else initial
+
+
 def _read_text(path: pathlib.Path) -> np.ndarray:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
 
 
+def prepared_dir(data_cfg) -> pathlib.Path | None:
+    """data.path (or a mixture's first source) when it is a directory spmd-data prepare wrote,
+    else None."""
+    from spmd.prepare import MANIFEST
+
+    given = data_cfg.sources[0].path if data_cfg.sources else data_cfg.path
+    path = pathlib.Path(given).expanduser() if given else None
+    return path if path is not None and (path / MANIFEST).is_file() else None
+
+
+def data_tokenizer(data_cfg):
+    """The tokenizer of the run's data: data.tokenizer when set, else the prepared directory's own
+    (spmd-data prepare keeps a copy), else bytes; a data.tokenizer that is not the one the data
+    was prepared with is an error."""
+    from spmd import tokenizer as tokenizer_lib
+    from spmd.prepare import read_manifest, tokenizer_file
+
+    directory = prepared_dir(data_cfg)
+    if directory is None:
+        if data_cfg.tokenizer not in ("", "bytes"):
+            raise UserError(
+                f"data.tokenizer = {data_cfg.tokenizer!r} needs prepared data: run spmd-data prepare "
+                f"<files> --tokenizer {data_cfg.tokenizer} --out DIR and set data.path=DIR"
+            )
+        return tokenizer_lib.ByteTokenizer()
+    manifest = read_manifest(directory, check=False)
+    for src in data_cfg.sources[1:]:
+        other = pathlib.Path(src.path).expanduser()
+        theirs = read_manifest(other, check=False) if (other / "manifest.json").is_file() else None
+        if theirs is None or theirs["tokenizer"]["sha256"] != manifest["tokenizer"]["sha256"]:
+            raise UserError(
+                f"data.sources {src.label!r} was not prepared with the tokenizer of {str(directory)!r} "
+                f"({manifest['tokenizer']['name']}); every source of a mixture needs the same tokenizer"
+            )
+    own = tokenizer_file(directory)
+    tok = tokenizer_lib.load(data_cfg.tokenizer or (str(own) if own else "bytes"))
+    if tok.sha256 != manifest["tokenizer"]["sha256"]:
+        raise UserError(
+            f"data.tokenizer {tok.name} is not the tokenizer {str(directory)!r} was prepared with "
+            f"({manifest['tokenizer']['name']}); leave data.tokenizer empty to use that one"
+        )
+    return tok
+
+
 def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """(train tokens, held-out tokens, a description) as 1-D integer arrays (memory-mapped when possible)."""
+    """(train tokens, held-out tokens, a description) as 1-D integer sequences (memory-mapped when
+    possible; TokenStreams, which know the documents, for a prepared directory)."""
+    directory = prepared_dir(data_cfg)
+    if directory is not None:
+        from spmd.prepare import read_manifest
+
+        manifest = read_manifest(directory)
+        tok = manifest["tokenizer"]
+        if tok["vocab_size"] > vocab_size:
+            raise UserError(
+                f"prepared data {str(directory)!r} uses a tokenizer of {tok['vocab_size']:,} tokens but "
+                f"model.vocab_size is {vocab_size:,}; raise model.vocab_size to at least {tok['vocab_size']:,}"
+            )
+        train, val = TokenStream(directory, manifest, "train"), TokenStream(directory, manifest, "val")
+        if not len(val):
+            raise UserError(
+                f"prepared data {str(directory)!r} has no held-out documents; prepare it again with a larger --val-fraction (or more documents)"
+            )
+        desc = (
+            f"{directory} (prepared: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, "
+            f"tokenizer {tok['name']})"
+        )
+        return train, val, desc
     if not data_cfg.path:
         train_path, val_path = stdlib_corpus(data_cfg.val_fraction)
         train, val = np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
@@ -117,7 +227,7 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
         train, val = tokens[:-n_val], tokens[-n_val:]
         desc = f"{str(path)} ({fmt}, {len(tokens):,} tokens)"
     mask = data_cfg.mask_token_id
-    head = np.asarray(train[: 1 << 20])
+    head = np.asarray(train[: min(len(train), 1 << 20)])
     if mask >= 0 and head.size and not np.any(head[1:] != mask):  # targets are tokens 1..
         raise UserError(
             f"data.mask_token_id = {mask} masks every target in the first {head.size:,} tokens: the loss "
@@ -149,6 +259,34 @@ class WindowSource:
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
 
+class PackedWindowSource:
+    """The windows of WindowSource with their documents marked (data.packing = segments): each
+    item is a (5, seq_len) array of inputs, targets, segment ids, positions and loss mask (see
+    the module doc); PACKED_FIELDS names the rows."""
+
+    def __init__(self, stream: TokenStream, seq_len: int):
+        self.stream, self.seq_len = stream, seq_len
+        self.n = (len(stream) - 1) // seq_len
+        self.doc_starts = np.concatenate([[0], stream.doc_ends[:-1]])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        T = self.seq_len
+        start = int(i) * T
+        window = np.asarray(self.stream[start : start + T + 1], dtype=np.int32)
+        index = np.arange(start, start + T + 1)
+        doc = np.searchsorted(self.stream.doc_ends, index, side="right")  # document of each token
+        segment = (doc - doc[0]).astype(np.int32)
+        position = (index - np.maximum(self.doc_starts[doc], start)).astype(np.int32)
+        same_doc = (doc[1:] == doc[:-1]).astype(np.int32)  # the target continues the input's document
+        return np.stack([window[:-1], window[1:], segment[:-1], position[:-1], same_doc])
+
+
+PACKED_FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
 @dataclasses.dataclass
 class Batches:
     """Global batches for training (shuffled) and evaluation (in order) as sharded jax Arrays."""
@@ -166,6 +304,8 @@ class Batches:
     # a new global batch size continues the sample stream where the old one stopped.
     start_step: int = 0
     start_sample: int = 0
+    # A mixture's held-out split of each source, by name (eval_loss/<name>); empty otherwise.
+    val_sources: dict = dataclasses.field(default_factory=dict)
 
     def resume_at(self, step: int, consumed_samples: int) -> None:
         self.start_step, self.start_sample = step, consumed_samples
@@ -188,16 +328,22 @@ class Batches:
         rows = self.local_rows
         windows = np.stack([dataset[first + r] for r in rows])
         shape = (self.global_batch_size, self.seq_len)
+        if windows.ndim == 3:  # packed: (rows, field, T)
+            parts = {name: windows[:, k] for k, name in enumerate(PACKED_FIELDS)}
+        else:
+            parts = {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
         return {
             name: jax.make_array_from_process_local_data(self.sharding, part, shape)
-            for name, part in (("inputs", windows[:, :-1]), ("targets", windows[:, 1:]))
+            for name, part in parts.items()
         }
 
     def train_batch(self, step: int) -> dict[str, jax.Array]:
         return self._assemble(self.train, self.consumed_samples(step))
 
-    def eval_batch(self, i: int) -> dict[str, jax.Array]:
-        return self._assemble(self.val, i * self.global_batch_size)
+    def eval_batch(self, i: int, source: str | None = None) -> dict[str, jax.Array]:
+        """Held-out batch i (of a mixture's `source` when given)."""
+        dataset = self.val if source is None else self.val_sources[source]
+        return self._assemble(dataset, i * self.global_batch_size)
 
     def global_numpy_batch(self, step: int) -> np.ndarray:
         """The whole global batch of windows for `step`, on the host (for tests and tools)."""
@@ -205,17 +351,65 @@ class Batches:
         return np.stack([self.train[first + r] for r in range(self.global_batch_size)])
 
 
-def make_batches(cfg, sharding) -> Batches:
-    train_tokens, val_tokens, desc = load_tokens(cfg.data, cfg.model.vocab_size)
-    T = cfg.train.seq_len
+def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str):
+    """(train windows, held-out windows, description) of one data path."""
+    train_tokens, val_tokens, desc = load_tokens(data_cfg, vocab_size)
     for split, tokens in (("training", train_tokens), ("held-out", val_tokens)):
         if len(tokens) < T + 1:
             raise UserError(
-                f"train.seq_len {T} is longer than the {split} data ({len(tokens)} tokens); "
+                f"train.seq_len {T} is longer than the {split} data of {what} ({len(tokens)} tokens); "
                 f"use a shorter train.seq_len or more data"
             )
-    train_src, val_src = WindowSource(train_tokens, T), WindowSource(val_tokens, T)
+    if packing == "segments":
+        if not isinstance(train_tokens, TokenStream):
+            raise UserError(
+                f"data.packing = segments needs to know where documents end, which {what} does not: "
+                f"prepare the data with spmd-data prepare and point {what} at its output directory"
+            )
+        return PackedWindowSource(train_tokens, T), PackedWindowSource(val_tokens, T), desc
+    return WindowSource(train_tokens, T), WindowSource(val_tokens, T), desc
+
+
+def mixture_order(weights: list[float]) -> grain.MapDataset:
+    """Which source each sample of a mixture comes from: grain's deterministic weighted
+    interleave, a pure function of the sample index (exact proportions over any stretch)."""
+    tags = [grain.MapDataset.source([k]).repeat() for k in range(len(weights))]
+    return grain.MapDataset.mix(tags, weights=weights)
+
+
+def make_batches(cfg, sharding) -> Batches:
+    T, data = cfg.train.seq_len, cfg.data
     seed = cfg.train.seed % 2**32
-    train = grain.MapDataset.source(train_src).shuffle(seed=seed).repeat()
-    val = grain.MapDataset.source(val_src).repeat()
-    return Batches(train, val, cfg.train.global_batch_size, T, sharding, desc, len(train_src), len(val_src))
+    if not data.sources:
+        train_src, val_src, desc = _windows(data, cfg.model.vocab_size, T, data.packing, "data.path")
+        if data.packing == "segments":
+            desc += "; packing: segments (no padding)"
+        train = grain.MapDataset.source(train_src).shuffle(seed=seed).repeat()
+        val = grain.MapDataset.source(val_src).repeat()
+        return Batches(
+            train, val, cfg.train.global_batch_size, T, sharding, desc, len(train_src), len(val_src)
+        )
+    # A mixture: each source shuffled with its own seed, then interleaved by weight.
+    trains, vals, descs, n_train = [], {}, [], 0
+    for k, src in enumerate(data.sources):
+        if not pathlib.Path(src.path).expanduser().exists():
+            raise UserError(f"data.sources {src.label!r}: {src.path!r} not found")
+        one = dataclasses.replace(data, path=src.path, sources=())
+        train_src, val_src, desc = _windows(
+            one, cfg.model.vocab_size, T, data.packing, f"source {src.label!r}"
+        )
+        trains.append(grain.MapDataset.source(train_src).shuffle(seed=(seed + k) % 2**32).repeat())
+        vals[src.label] = grain.MapDataset.source(val_src).repeat()
+        descs.append(f"{src.label} (weight {src.weight:g}): {desc}")
+        n_train += len(train_src)
+    weights = [src.weight for src in data.sources]
+    train = grain.MapDataset.mix(trains, weights=weights)
+    desc = (
+        "mixture of "
+        + "; ".join(descs)
+        + (f"; packing: {data.packing}" + (" (no padding)" if data.packing == "segments" else ""))
+    )
+    first = next(iter(vals.values()))
+    batches = Batches(train, first, cfg.train.global_batch_size, T, sharding, desc, n_train, len(first))
+    batches.val_sources = vals
+    return batches

@@ -44,6 +44,7 @@ class Hook(abc.ABC):
     every: int = 0
     at_end: bool = True
     on_stop: bool = True
+    bucket: str = "other"  # where its time goes in the goodput ledger (spmd.goodput.BUCKETS)
 
     def should_run(self, step: int, final: bool, stopping: bool) -> bool:
         return (
@@ -67,17 +68,34 @@ class Diverged(UserError):
 
 
 class TrainLoop:
-    def __init__(self, step_fn, batches, hooks: list[Hook], stop=None, max_skipped: int = 0):
+    def __init__(self, step_fn, batches, hooks: list[Hook], stop=None, max_skipped: int = 0, ledger=None,
+                 watchdog=None):  # fmt: skip
         """`step_fn(state, batch) -> (state, metrics)`; `stop()` is asked after every step whether to
         stop early (e.g. Preemption.requested). When the metrics carry `skipped` (the step left the
         state unchanged: non-finite loss or gradients), `max_skipped` consecutive ones (0: no limit)
-        stop the run with Diverged, before any hook sees the last of them."""
+        stop the run with Diverged, before any hook sees the last of them. `ledger`
+        (spmd.goodput.Ledger) gets the loop's time by bucket; `watchdog` (spmd.watchdog.Watchdog)
+        hears of every finished step and hook."""
         self.step_fn, self.batches, self.hooks, self.stop = step_fn, batches, hooks, stop
         self.max_skipped = max_skipped
+        self.ledger, self.watchdog = ledger, watchdog
         self.skipped = 0  # skipped steps in this run
         self.streak: list[int] = []  # the current run of consecutive skipped steps
+        self._mark = time.perf_counter()
+
+    def _spend(self, bucket: str) -> None:
+        """The time since the last call goes to `bucket`."""
+        now = time.perf_counter()
+        if self.ledger is not None:
+            self.ledger.add(bucket, now - self._mark)
+        self._mark = now
+
+    def _beat(self, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
 
     def _count(self, step: int, skipped) -> None:
+        self._beat(step)
         if skipped is None:
             return
         if not int(skipped):
@@ -97,10 +115,16 @@ class TrainLoop:
     def run(self, state, start_step: int, end_step: int):
         """Steps start_step..end_step-1; returns the last state."""
         clock, train_seconds = time.perf_counter(), 0.0
+        self._mark = clock
+        if self.watchdog is not None:
+            self.watchdog.start(start_step)
         pending = None  # (step, its `skipped` flag), read once the next step is dispatched
         try:
             for step in range(start_step, end_step):
-                state, metrics = self.step_fn(state, self.batches.train_batch(step))
+                self._spend("productive")
+                batch = self.batches.train_batch(step)
+                self._spend("data_wait")
+                state, metrics = self.step_fn(state, batch)
                 for hook in self.hooks:
                     hook.poll()
                 if pending is not None:
@@ -111,23 +135,32 @@ class TrainLoop:
                 due = [hook for hook in self.hooks if hook.should_run(done, final, stopping)]
                 if due:
                     metrics = jax.device_get(metrics)  # waits for the step
-                    self._count(done, metrics.get("skipped"))
+                    self._count(done, metrics.get("skipped", 0))
                     train_seconds += time.perf_counter() - clock
+                    self._spend("productive")
                     info = StepInfo(done, state, metrics, train_seconds, final, stopping)
                     if "skipped" in metrics:
                         info.extra["skipped_steps"] = self.skipped
                     for hook in due:
                         hook(info)
+                        self._spend(hook.bucket)
+                        self._beat()
                     clock = time.perf_counter()
                 else:
-                    pending = (done, metrics.get("skipped"))
+                    pending = (done, metrics.get("skipped", 0))
                 if stopping:
                     break
             if pending is not None:
                 self._count(*pending)
+            self._spend("productive")
         finally:
             for hook in self.hooks:
+                self._spend("productive")
                 hook.close()
+                self._spend(hook.bucket)
+                self._beat()
+            if self.watchdog is not None:
+                self.watchdog.stop()
         return state
 
 
@@ -136,12 +169,16 @@ class EvalHook(Hook):
     added to the step's record as eval_loss."""
 
     on_stop = False
+    bucket = "eval"
 
     def __init__(self, every: int, evaluate):
         self.every, self.at_end, self.evaluate = every, bool(every), evaluate
 
     def __call__(self, info: StepInfo) -> None:
-        info.extra["eval_loss"] = self.evaluate(info.state["params"])
+        result = self.evaluate(
+            info.state["params"]
+        )  # a loss, or {"eval_loss": ..., "eval_loss/<source>": ...}
+        info.extra.update(result if isinstance(result, dict) else {"eval_loss": result})
 
 
 class LogSchedule(Hook):
@@ -161,8 +198,10 @@ class MetricsHook(LogSchedule):
     (spmd.metrics.MetricsWriter: metrics.jsonl and TensorBoard)."""
 
     def __init__(self, log_every: int, eval_every: int, tokens_per_step: int, flops_per_token: float, peak_flops: float,
-                 z_loss: bool = False, writer=None, start_step: int = 0):  # fmt: skip
+                 z_loss: bool = False, writer=None, start_step: int = 0, ledger=None):  # fmt: skip
+        """`ledger` (spmd.goodput.Ledger): its goodput and time_<bucket> fields join every record."""
         super().__init__(log_every, eval_every)
+        self.ledger = ledger
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
         self.z_loss, self.writer = z_loss, writer
         self.last_step, self.last_seconds = start_step, 0.0
@@ -184,6 +223,8 @@ class MetricsHook(LogSchedule):
             record["z_loss"] = float(m["z_loss"])
         record.update({key: float(v) for key, v in m.items() if key.startswith("moe_")})
         record.update(info.extra)
+        if self.ledger is not None:
+            record.update(self.ledger.record())
         info.record = record
         self.last_step, self.last_seconds = info.step, info.train_seconds
         if self.writer is not None:
@@ -274,6 +315,8 @@ class CheckpointHook(Hook):
     """Saves every `every` steps (0: only at the end), at the last step and when stopping; on a stop
     it waits for the save to commit."""
 
+    bucket = "checkpoint"
+
     def __init__(self, checkpointer, every: int, meta):
         """`meta(step) -> dict`: the metadata saved with the step (spmd.checkpoint.step_meta)."""
         self.checkpointer, self.every, self.meta = checkpointer, every, meta
@@ -328,24 +371,26 @@ class Preemption:
         )
 
 
-def trim_metrics(path: pathlib.Path, last_step: int) -> None:
+def trim_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
     """Drop logged steps after `last_step` from metrics.jsonl (a run killed after its last
     checkpoint logged them), so that a resumed run continues the file without duplicates. A line a
-    kill cut short (not JSON) is dropped too."""
+    kill cut short (not JSON) is dropped too. Returns the records of the file (as the earlier run
+    wrote them), for spmd.goodput.lost_seconds."""
     import json
 
     if not path.exists():
-        return
+        return []
 
-    def step(line: str) -> float:
+    def parse(line: str) -> dict | None:
         try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            return float("inf")  # unreadable: dropped
+            record = json.loads(line)
+            return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+        except ValueError:
+            return None  # unreadable: dropped
 
-    keep = [
-        line for line in path.read_text(errors="replace").splitlines() if line and step(line) <= last_step
-    ]
+    lines = [(line, parse(line)) for line in path.read_text(errors="replace").splitlines() if line]
+    keep = [line for line, record in lines if record is not None and record["step"] <= last_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
+    return [record for _, record in lines if record is not None]

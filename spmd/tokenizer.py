@@ -1,7 +1,12 @@
-"""Text <-> token ids for a trained or imported run: the run dir's `tokenizer.json` (Hugging Face
-`tokenizers`, as `spmd-ckpt import-hf` copies it) when it has one, else bytes for a byte-level
-model (vocab_size 256, trained on text)."""
+"""Text <-> token ids: bytes, a Hugging Face `tokenizer.json` (the `tokenizers` library) or a
+SentencePiece `.model` (`sentencepiece`), chosen by `data.tokenizer` (`bytes` or a path).
 
+A run keeps its tokenizer file in its run dir (`tokenizer.json` or `tokenizer.model`, as
+spmd-train and `spmd-ckpt import-hf` copy it there), so spmd-sample and spmd-eval encode and
+decode with it; a run dir without one is byte-level (vocab_size 256, trained on text).
+"""
+
+import hashlib
 import pathlib
 
 import numpy as np
@@ -9,10 +14,23 @@ import numpy as np
 from spmd.errors import UserError
 
 HF_TOKENIZER = "tokenizer.json"
+SP_TOKENIZER = "tokenizer.model"
+# Names an end-of-document token goes by, in the order they are looked for.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]", "<|im_end|>")
+
+
+def file_hash(path: pathlib.Path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 class ByteTokenizer:
     name = "bytes"
+    vocab_size = 256
+    eos_id = None  # every byte value is text; documents are kept apart by segment ids only
+    sha256 = "bytes"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
@@ -32,21 +50,81 @@ class HFTokenizer:
                 f"{path} is not a loadable tokenizer.json ({str(e).splitlines()[0][:200]})"
             ) from None
         self.name = str(path)
+        self.file = pathlib.Path(path)
         self.vocab_size = self.tokenizer.get_vocab_size()
+        self.sha256 = file_hash(path)
+        ids = [self.tokenizer.token_to_id(name) for name in EOS_NAMES]
+        self.eos_id = next((i for i in ids if i is not None), None)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text).ids, np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encoded = self.tokenizer.encode_batch(texts)
+        return [np.asarray(e.ids, np.int32) for e in encoded]
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
 
+class SentencePieceTokenizer:
+    def __init__(self, path: pathlib.Path):
+        import sentencepiece
+
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise UserError(
+                f"{path} is not a loadable SentencePiece model ({str(e).splitlines()[0][:200]})"
+            ) from None
+        self.name = str(path)
+        self.file = pathlib.Path(path)
+        self.vocab_size = self.sp.get_piece_size()
+        self.sha256 = file_hash(path)
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.sp.encode(text), np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, np.int32) for ids in self.sp.encode(texts)]
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+def load(spec: str):
+    """`bytes`, or the path of a tokenizer.json or a SentencePiece .model (told apart by content:
+    a tokenizer.json is JSON)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    path = pathlib.Path(spec).expanduser()
+    if not path.is_file():
+        raise UserError(
+            f"tokenizer {spec!r} not found; give the path of a tokenizer.json or a SentencePiece .model, or 'bytes'"
+        )
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    return HFTokenizer(path) if head.startswith(b"{") else SentencePieceTokenizer(path)
+
+
+def run_file_name(tokenizer) -> str | None:
+    """The name a tokenizer's file takes in a run dir (None for bytes)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return HF_TOKENIZER
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return SP_TOKENIZER
+    return None
+
+
 def for_run(run_dir: pathlib.Path, cfg):
     """The tokenizer a run's text goes through (see the module docstring), or an error saying why
     there is none."""
-    path = run_dir / HF_TOKENIZER
-    if path.is_file():
-        tok = HFTokenizer(path)
+    for name, cls in ((HF_TOKENIZER, HFTokenizer), (SP_TOKENIZER, SentencePieceTokenizer)):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        tok = cls(path)
         if tok.vocab_size > cfg.model.vocab_size:
             raise UserError(
                 f"{path} has {tok.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "

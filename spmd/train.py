@@ -16,7 +16,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd import context
 from spmd import sharding as sharding_lib
 
-Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32}
+Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
+PACKED_KEYS = ("segment_ids", "positions", "loss_mask")  # data.packing = segments (spmd/data.py)
+
+
+def batch_keys(cfg) -> tuple[str, ...]:
+    """The (B, T) int32 arrays of a batch: inputs and targets, and with packed documents each
+    token's segment id, position in its document, and whether its target counts."""
+    return ("inputs", "targets") + (PACKED_KEYS if cfg.data.packing == "segments" else ())
 
 
 def lr_schedule(train_cfg) -> optax.Schedule:
@@ -61,13 +68,26 @@ def token_losses(
     model gets each token's true position, and the sums do not depend on the order. `moe_coefs`:
     the MoE load-balancing and router z-loss weights; the fourth output holds MoE statistics."""
     inputs_BT, targets_BT, positions_BT = batch["inputs"], batch["targets"], None
+    # Packed documents (data.packing = segments): each token's document, its position in it, and
+    # which targets count (not the first token of a document, predicted from the one before).
+    segment_ids_BT, loss_mask_BT = batch.get("segment_ids"), batch.get("loss_mask")
+    if segment_ids_BT is not None:
+        positions_BT = batch["positions"]
     if seq_perm is not None:
         inputs_BT, targets_BT = inputs_BT[:, seq_perm], targets_BT[:, seq_perm]
-        positions_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
-    logits_BTV, _, moe = nnx.merge(graphdef, params).forward(inputs_BT, positions_BT)
+        if segment_ids_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
+        else:
+            positions_BT, segment_ids_BT = positions_BT[:, seq_perm], segment_ids_BT[:, seq_perm]
+            loss_mask_BT = loss_mask_BT[:, seq_perm]
+    logits_BTV, _, moe = nnx.merge(graphdef, params).forward(
+        inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT
+    )
     logits_BTV = logits_BTV.astype(jnp.float32)
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
     mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
+    if loss_mask_BT is not None:
+        mask_BT = mask_BT & (loss_mask_BT != 0)
     mask_BT = mask_BT.astype(jnp.float32)
     ce_sum = jnp.sum(ce_BT * mask_BT)
     z_sum = jnp.zeros((), jnp.float32)
@@ -115,7 +135,7 @@ class Trainer:
     def abstract_batch(self, batch: int, seq_len: int) -> Batch:
         return {
             name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
-            for name in ("inputs", "targets")
+            for name in batch_keys(self.cfg)
         }
 
 
@@ -222,7 +242,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             )
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+    batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
     return Trainer(
         cfg=cfg,
         plan=plan,
@@ -257,17 +277,20 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
             )
         return ce_sum, count
 
-    batch_shardings = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+    batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
     return jax.jit(
         eval_step, in_shardings=(plan.param_shardings, batch_shardings), out_shardings=plan.replicated
     )
 
 
-def held_out_sums(eval_step, params, batches, n_batches: int) -> tuple[float, float]:
-    """(summed cross-entropy, counted tokens) over the first `n_batches` held-out batches."""
+def held_out_sums(
+    eval_step, params, batches, n_batches: int, source: str | None = None
+) -> tuple[float, float]:
+    """(summed cross-entropy, counted tokens) over the first `n_batches` held-out batches (of a
+    mixture's `source` when given)."""
     total, count = 0.0, 0.0
     for i in range(n_batches):
-        ce_sum, n = eval_step(params, batches.eval_batch(i))
+        ce_sum, n = eval_step(params, batches.eval_batch(i, source) if source else batches.eval_batch(i))
         total, count = total + float(ce_sum), count + float(n)
     return total, count
 
@@ -276,3 +299,16 @@ def evaluate(trainer: Trainer, params, batches) -> float:
     """Mean held-out cross-entropy per counted token over `eval_batches` fixed batches."""
     total, count = held_out_sums(trainer.eval_step, params, batches, trainer.cfg.train.eval_batches)
     return total / max(count, 1.0)
+
+
+def evaluate_all(trainer: Trainer, params, batches) -> dict[str, float]:
+    """{"eval_loss": ...}; for a mixture, eval_loss/<name> per source over `eval_batches` batches
+    of each, and eval_loss their mean per counted token."""
+    if not batches.val_sources:
+        return {"eval_loss": evaluate(trainer, params, batches)}
+    out, total, count = {}, 0.0, 0.0
+    for name in batches.val_sources:
+        t, n = held_out_sums(trainer.eval_step, params, batches, trainer.cfg.train.eval_batches, name)
+        out[f"eval_loss/{name}"] = t / max(n, 1.0)
+        total, count = total + t, count + n
+    return {"eval_loss": total / max(count, 1.0), **out}

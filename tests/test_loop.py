@@ -4,6 +4,7 @@ and training time that leaves hook time out. A counting step stands in for the m
 import time
 
 import numpy as np
+import pytest
 
 from spmd import loop
 
@@ -107,3 +108,114 @@ def test_consecutive_skipped_steps_stop_the_run_before_any_hook_sees_the_last():
     counts = []
     loop.TrainLoop(skipping_step, Steps(), [Extra(3, "log", counts)], max_skipped=0).run({"params": 0}, 0, 9)
     assert counts == [1, 4, 6]  # skipped steps so far at steps 3, 6, 9; 0: no limit
+
+
+def test_goodput_ledger_puts_every_second_in_one_bucket():
+    """Data waits, hook time by bucket (eval, checkpoint, other) and productive steps add up to the
+    wall time since `started`; a carried ledger (a resumed checkpoint's) adds on; goodput =
+    productive / all."""
+    from spmd import goodput
+
+    class SlowData(Steps):
+        def train_batch(self, step):
+            time.sleep(0.03)
+            return step
+
+    class Save(Recorder):
+        bucket = "checkpoint"
+
+    def slow_step(state, batch):
+        time.sleep(0.02)
+        return step_fn(state, batch)
+
+    started = time.perf_counter()
+    ledger = goodput.Ledger(started, carried={"compile": 5.0, "lost": 1.0, "productive": 2.0})
+    hooks = [
+        loop.EvalHook(5, lambda params: time.sleep(0.1) or 1.0),
+        Save(5, "save", [], sleep=0.05),
+        Recorder(1, "log", [], sleep=0.01),
+    ]
+    loop.TrainLoop(slow_step, SlowData(), hooks, ledger=ledger).run({"params": 0}, 0, 10)
+    wall = time.perf_counter() - started
+    t = ledger.totals()
+    assert t["data_wait"] == pytest.approx(0.3, abs=0.05)  # 10 x 0.03 s
+    assert t["eval"] == pytest.approx(0.2, abs=0.05) and t["checkpoint"] == pytest.approx(0.1, abs=0.04)
+    assert t["other"] == pytest.approx(0.1, abs=0.04)  # the log hook, 10 x 0.01 s
+    assert t["productive"] - 2.0 == pytest.approx(0.2, abs=0.06)  # 10 x 0.02 s
+    assert t["compile"] == 5.0 and t["lost"] == 1.0
+    assert sum(t.values()) == pytest.approx(wall + 8.0, abs=0.02)
+    record = ledger.record()
+    assert record["goodput"] == pytest.approx(t["productive"] / sum(t.values()), rel=1e-3)
+    assert goodput.summary(t).startswith("goodput ") and "compile 5.0s" in goodput.summary(t)
+    # A hand-edited saved ledger cannot break a resume: what is not a time counts as 0.
+    assert goodput.Ledger(0.0, {"init": "x", "eval": -1, "lost": float("nan")}).carried["init"] == 0.0
+
+
+def test_lost_seconds_are_the_logged_steps_after_the_restored_checkpoint():
+    from spmd.goodput import lost_seconds
+
+    records = [{"step": 2, "step_time": 1.0}, {"step": 5, "step_time": 2.0}, {"step": 7, "step_time": 3.0}]
+    assert lost_seconds(records, 7) == 0.0
+    assert lost_seconds(records, 4) == 2.0 * 1 + 3.0 * 2  # step 5 (one step past 4), steps 6-7
+    assert lost_seconds(records, 0) == 1.0 * 2 + 2.0 * 3 + 3.0 * 2
+
+
+def test_watchdog_deadline_follows_the_median_step_with_a_floor():
+    from spmd.watchdog import Watchdog
+
+    auto = Watchdog(0, None, compile_seconds=40.0, floor=300.0)
+    assert auto.deadline() == 400.0  # no step timed yet: 10x the compile time
+    auto.start(0)
+    auto.beat(1)  # the first step's time is not a step-to-step interval
+    for step, seconds in enumerate([50, 60, 70, 1000], start=2):  # beat() times the intervals
+        auto.last -= seconds
+        auto.beat(step)
+    assert auto.deadline() == pytest.approx(10 * 65, rel=0.01)  # the median, not the outlier
+    auto.last -= 5
+    auto.beat()  # a hook finishing is progress, but not a step time
+    assert len(auto.durations) == 4 and auto.step == 5
+    auto.stop()
+    assert Watchdog(0, None, floor=300.0).deadline() == 300.0
+    assert Watchdog(7.5, None).deadline() == 7.5 and not Watchdog(-1, None).enabled
+
+
+def test_watchdog_dumps_every_stack_and_exits_4_on_a_hang(tmp_path):
+    """A loop whose step never returns: the watchdog writes the stacks to stderr and the run dir and
+    exits with its code; a loop that keeps stepping is left alone."""
+    import re
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import pathlib, threading, time
+        import numpy as np
+        from spmd import loop
+        from spmd.watchdog import Watchdog
+
+        def step(state, batch):
+            if batch == 3:
+                threading.Event().wait()  # the hang
+            time.sleep(0.01)
+            return state, {{"loss": np.float32(1)}}
+
+        class Steps:
+            def train_batch(self, step):
+                return step
+
+        ok = Watchdog(0.5, pathlib.Path({str(tmp_path / "ok")!r}))
+        loop.TrainLoop(lambda s, b: (time.sleep(0.01), (s, {{}}))[1], Steps(), [], watchdog=ok).run(0, 0, 60)
+        print("first loop done", flush=True)
+        dog = Watchdog(0.5, pathlib.Path({str(tmp_path / "hangs")!r}), process=1)
+        loop.TrainLoop(step, Steps(), [], watchdog=dog).run(0, 0, 10)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert "first loop done" in result.stdout and not (tmp_path / "ok").exists()
+    pattern = (
+        r"error: hang: no progress for 0\.\ds since step 2 finished \(deadline 0\.5s, train\.step_timeout\)"
+    )
+    assert re.search(pattern, result.stderr), result.stderr[:500]
+    assert "in step" in result.stderr and "Thread 0x" in result.stderr  # all threads, the watchdog's too
+    dump = (tmp_path / "hangs" / "step2.process1.txt").read_text()
+    assert dump.startswith("error: hang:") and "in step" in dump

@@ -31,7 +31,7 @@ def run(args) -> int:
 
     if args.batches is not None and args.batches < 1:
         raise UserError(f"--batches must be positive, got {args.batches}")
-    overrides = [f"data.path={args.data}"] if args.data else []
+    overrides = [f"data.path={args.data}", "data.sources=[]"] if args.data else []
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
     batches = loaded.setup.batches()
     distinct = max(1, batches.n_val_windows // batches.global_batch_size)
@@ -50,6 +50,8 @@ def run(args) -> int:
             f"step {result['step']}: loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
             f"{bpb} ({result['tokens']:,} held-out tokens in {result['batches']} batches; {result['data']})"
         )
+        for name, loss in result.get("sources", {}).items():
+            print(f"  source {name}: loss {loss:.4f} nats/token")
     return 0
 
 

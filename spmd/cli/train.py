@@ -12,6 +12,8 @@ import time
 
 from spmd.cli.common import Parser, add_host_devices, log, run_main
 
+STARTED = time.perf_counter()  # the goodput ledger's `init` starts here (the process's start, near enough)
+
 EPILOG = """
 examples:
   spmd-train --config small --mesh fsdp=8 --rules fsdp --host-devices 8 --run-dir runs/quickstart
@@ -130,6 +132,7 @@ def run(args) -> int:
     from spmd import runlock
     from spmd import sharding as sharding_lib
     from spmd.checkpoint import resume_or_init
+    from spmd.data import data_tokenizer
     from spmd.rules import rules_table
     from spmd.setup import assemble
 
@@ -148,18 +151,21 @@ def run(args) -> int:
             print(sharding_lib.sharding_table(setup.plan, setup.trainer.abstract_state["opt_state"]))
         return 0
     batches = setup.batches()
+    tokenizer = data_tokenizer(setup.cfg.data)
     run_dir = pathlib.Path(args.run_dir or f"runs/{setup.cfg.name}")
     start = resume_or_init(setup.trainer, batches, run_dir, args.resume_from, args.overwrite, args.init_from)
     # Everything above validated the input; from here on we write, holding the run dir's lock.
     lock = runlock.acquire(run_dir)
     try:
-        prepare_run_dir(run_dir, start.step, args.overwrite, is_main)
+        lost = prepare_run_dir(run_dir, start.step, args.overwrite, is_main)
         resolved = describe_run(
-            setup, batches, run_dir, start.notes, is_main, init["record"] if init else None
+            setup, batches, run_dir, start.notes, is_main, init["record"] if init else None, tokenizer
         )
+        if is_main:
+            keep_tokenizer(tokenizer, run_dir)
         if init and is_main:
             copy_tokenizer(init["run_dir"], run_dir)
-        return train(setup, batches, run_dir, start, resolved, is_main, profile)
+        return train(setup, batches, run_dir, start, resolved, is_main, profile, lost)
     finally:
         lock.release()
 
@@ -201,6 +207,18 @@ def initial_parameters(args) -> dict | None:
     return {"config": config_from_json(run["config"]), "record": record, "run_dir": run_dir}
 
 
+def keep_tokenizer(tokenizer, run_dir: pathlib.Path) -> None:
+    """The data's tokenizer file goes into the run dir (tokenizer.json or tokenizer.model), where
+    spmd-sample, spmd-eval and export-hf find it."""
+    from spmd.tokenizer import run_file_name
+
+    name = run_file_name(tokenizer)
+    if name and tokenizer.file.resolve() != (run_dir / name).resolve():
+        tmp = run_dir / f".{name}.tmp"
+        shutil.copy2(tokenizer.file, tmp)
+        tmp.replace(run_dir / name)
+
+
 def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> None:
     """The tokenizer files of the run we start from travel with the new run (export takes them)."""
     from spmd.hf import TOKENIZER_FILES
@@ -222,19 +240,22 @@ RUN_FILES = {
     "checkpoints",
     ".lock",
     "profile",
+    "hangs",
 }
 
 
-def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool) -> None:
+def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool) -> float:
     """Make (or, with --overwrite, replace) the run directory; a resumed run's metrics.jsonl is cut
     back to the restored step, and a run that never checkpointed is started afresh (its logs
     cleared). Every process checks (the run dir is on a shared filesystem), so all fail alike;
-    process 0 writes."""
+    process 0 writes. Returns the seconds an earlier attempt trained past `start_step` (lost to
+    the restart; on process 0)."""
     import jax
 
     from spmd import runlock
     from spmd.checkpoint import SUBDIR, committed_steps
     from spmd.errors import UserError
+    from spmd.goodput import lost_seconds
     from spmd.hf import TOKENIZER_FILES
     from spmd.loop import trim_metrics
 
@@ -261,16 +282,18 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
             raise UserError(
                 f"--run-dir {str(run_dir)!r} cannot be created or cleared: {e.strerror}"
             ) from None
-        trim_metrics(run_dir / "metrics.jsonl", start_step)
+        lost = lost_seconds(trim_metrics(run_dir / "metrics.jsonl", start_step), start_step)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("run directory ready")
+    return lost if is_main else 0.0
 
 
 def describe_run(
-    setup, batches, run_dir: pathlib.Path, notes: list[str], is_main: bool, init_from: dict | None = None
-) -> dict:
+    setup, batches, run_dir: pathlib.Path, notes: list[str], is_main: bool, init_from: dict | None = None,
+    tokenizer=None,
+) -> dict:  # fmt: skip
     """Write config.json (the fully resolved run) and log what will run; returns the resolved run.
     `init_from`: where --init-from took the parameters (kept with every checkpoint's metadata)."""
     import jax
@@ -289,6 +312,18 @@ def describe_run(
         "peak_flops": {"value": peak, "source": peak_how},
         "data": batches.description,
         **({"init_from": init_from} if init_from else {}),
+        **(
+            {
+                "tokenizer": {
+                    "name": tokenizer.name,
+                    "sha256": tokenizer.sha256,
+                    "vocab_size": tokenizer.vocab_size,
+                    "eos_id": tokenizer.eos_id,
+                }
+            }
+            if tokenizer is not None
+            else {}
+        ),  # fmt: skip
     }
     if not is_main:
         return resolved
@@ -313,12 +348,25 @@ def describe_run(
     return resolved
 
 
-def train(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool, profile=None) -> int:
-    """Compile the step, then run the loop with its hooks from `start` to train.steps."""
+def train(
+    setup,
+    batches,
+    run_dir: pathlib.Path,
+    start,
+    resolved: dict,
+    is_main: bool,
+    profile=None,
+    lost: float = 0.0,
+) -> int:
+    """Compile the step, then run the loop with its hooks from `start` to train.steps, watched
+    (spmd.watchdog) and accounted (spmd.goodput)."""
+    import jax
+
     from spmd import checkpoint as ckpt
-    from spmd import loop
+    from spmd import goodput, loop
     from spmd.metrics import MetricsWriter
-    from spmd.train import evaluate
+    from spmd.train import evaluate_all
+    from spmd.watchdog import Watchdog
 
     cfg, trainer = setup.cfg, setup.trainer
     tcfg = cfg.train
@@ -326,43 +374,52 @@ def train(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         if is_main:
             log(f"already at step {start.step} (train.steps = {tcfg.steps}): nothing to train")
         return 0
+    ledger = goodput.Ledger(STARTED, start.goodput)
+    ledger.add("lost", lost)
     t0 = time.perf_counter()
+    ledger.add("init", t0 - STARTED)
     step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+    compile_seconds = time.perf_counter() - t0
+    ledger.add("compile", compile_seconds)
     if is_main:
-        log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
+        log(f"compiled train step in {compile_seconds:.1f}s")
 
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
-    hooks = [loop.EvalHook(tcfg.eval_every, lambda params: evaluate(trainer, params, batches))]
+    hooks = [loop.EvalHook(tcfg.eval_every, lambda params: evaluate_all(trainer, params, batches))]
     metrics = None
     if is_main:
         metrics = loop.MetricsHook(
             tcfg.log_every, tcfg.eval_every, tcfg.global_batch_size * tcfg.seq_len,
             resolved["model"]["flops_per_token"], resolved["peak_flops"]["value"], z_loss=bool(tcfg.z_loss),
-            writer=MetricsWriter(run_dir), start_step=start.step,
+            writer=MetricsWriter(run_dir), start_step=start.step, ledger=ledger,
         )  # fmt: skip
         hooks += [metrics, loop.ProgressHook(tcfg.log_every, tcfg.eval_every, tcfg.steps, start.step)]
     hooks.append(
         loop.CheckpointHook(
-            checkpointer, cfg.checkpoint.every, lambda step: ckpt.step_meta(step, batches, tcfg, resolved)
+            checkpointer,
+            cfg.checkpoint.every,
+            lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals()),
         )
     )
     if profile is not None and is_main:
         hooks.append(loop.ProfileHook(run_dir / "profile", *profile, start.step))
     preemption = loop.Preemption().install()
+    watchdog = Watchdog(tcfg.step_timeout, run_dir / "hangs", jax.process_index(), compile_seconds)
     loop.TrainLoop(
-        step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps
-    ).run(start.state, start.step, tcfg.steps)
+        step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,
+        watchdog=watchdog,
+    ).run(start.state, start.step, tcfg.steps)  # fmt: skip
 
     if preemption.signal is not None:
         if is_main:
             log(f"stopped by signal {preemption.signal}: checkpoint for step {checkpointer.last_saved} committed "
-                f"in {checkpointer.directory}")  # fmt: skip
+                f"in {checkpointer.directory}; {goodput.summary(ledger.totals())}")  # fmt: skip
         return 0
     if metrics is not None and metrics.history:
         last = metrics.history[-1]
         evals = [r["eval_loss"] for r in metrics.history if "eval_loss" in r]
         log(f"done: step {last['step']}, loss {last['loss']:.4f}" + (f", eval loss {evals[-1]:.4f}" if evals else "")
-            + f"; run dir {run_dir}")  # fmt: skip
+            + f"; {goodput.summary(ledger.totals())}; run dir {run_dir}")  # fmt: skip
     return 0
 
 

@@ -1,0 +1,82 @@
+"""Goodput: where a run's wall time went, and which part of it trained the model.
+
+Every second of a run falls in one bucket:
+
+  init        process start to the first compile: imports, mesh, restore or init
+  compile     compiling the train step
+  data_wait   building and transferring batches on the host
+  productive  training steps (dispatch and wait), less data_wait
+  checkpoint  the blocking part of saves (the copy to host, the final commit wait)
+  eval        held-out evaluation (including its compile)
+  lost        steps trained and then lost to a restart: the steps an earlier attempt logged after the
+              checkpoint this attempt resumed from (their time as that attempt measured it)
+  other       the rest: metrics, progress display, profiler
+
+`goodput` = productive / all of them. The ledger is cumulative over restarts: each checkpoint
+saves it, and a resumed run carries on from the ledger of the step it restored (what the dead
+attempt spent after that checkpoint shows up as `lost`). What no process saw is not counted: a
+killed attempt's time after its last log line, and the gap before the restart.
+"""
+
+import time
+
+BUCKETS = ("init", "compile", "data_wait", "productive", "checkpoint", "eval", "lost", "other")
+
+
+class Ledger:
+    """Seconds per bucket for this run, over all its attempts."""
+
+    def __init__(self, started: float, carried: dict | None = None):
+        """`started`: time.perf_counter() when this process started its work; `carried`: the ledger
+        a resumed checkpoint saved (`totals()` of an earlier attempt)."""
+        self.started = started
+        carried = carried or {}
+        self.carried = {b: _seconds(carried.get(b)) for b in BUCKETS}
+        self.spent = dict.fromkeys(BUCKETS, 0.0)  # this attempt's, measured
+
+    def add(self, bucket: str, seconds: float) -> None:
+        self.spent[bucket] += seconds
+
+    def totals(self) -> dict:
+        """Cumulative seconds per bucket; this attempt's wall time not measured into a bucket is
+        `other` (so the buckets add up to the wall time)."""
+        now = dict(self.spent)
+        measured = sum(v for b, v in now.items() if b not in ("lost", "other"))
+        now["other"] += max(0.0, time.perf_counter() - self.started - measured - now["other"])
+        return {b: self.carried[b] + now[b] for b in BUCKETS}
+
+    def record(self) -> dict:
+        """Fields for a metrics record: `goodput` and `time_<bucket>` (cumulative seconds)."""
+        totals = self.totals()
+        wall = sum(totals.values())
+        return {"goodput": totals["productive"] / wall if wall else 0.0} | {
+            f"time_{b}": v for b, v in totals.items()
+        }
+
+
+def _seconds(value) -> float:
+    """A saved ledger entry, or 0 for one that is missing or not a time (hand-edited metadata)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return float(value) if ok else 0.0
+
+
+def summary(totals: dict) -> str:
+    """'goodput 81.2% of 42.0s (compile 5.1s, init 2.0s, ...)': the non-productive buckets, largest first."""
+    wall = sum(totals.values())
+    rest = sorted(((v, b) for b, v in totals.items() if b != "productive" and v >= 0.05), reverse=True)
+    parts = ", ".join(f"{b} {v:.1f}s" for v, b in rest)
+    share = totals["productive"] / wall if wall else 0.0
+    return f"goodput {share:.1%} of {wall:.1f}s" + (f" ({parts})" if parts else "")
+
+
+def lost_seconds(records: list[dict], after_step: int) -> float:
+    """Training time of the steps that `records` (metrics.jsonl, in order) logged after `after_step`:
+    each record's step_time times the steps since the record before it."""
+    lost, previous = 0.0, None
+    for r in records:
+        step, step_time = r.get("step"), r.get("step_time")
+        if isinstance(step, int) and isinstance(step_time, (int, float)):
+            if step > after_step:
+                lost += step_time * (step - max(previous if previous is not None else after_step, after_step))
+            previous = step
+    return lost

@@ -1,0 +1,354 @@
+"""`spmd-data prepare`: documents in, token shards out, for spmd-train's `data.path`.
+
+Inputs are files or directories of `.txt` or `.md` (one document per file), `.jsonl` (one document per
+line, in a text field) and `.parquet` (a text column). The output directory holds
+
+  manifest.json            tokenizer (name, sha256, vocab size, EOS id), documents, tokens, shards
+  train-00000.bin, ...     token ids, uint16 (vocab <= 65536) or uint32, documents back to back
+  train-00000.idx, ...     int64 end offset of each document in its .bin (so document i is
+                           bin[idx[i-1]:idx[i]])
+  val-00000.bin/.idx       the held-out split: documents whose sha1 falls in the lowest val_fraction
+
+Why .bin + .idx rather than ArrayRecord: training reads fixed windows that cross document
+boundaries, which is one slice of a memory-mapped array here (no per-record decode, no copy),
+and the document index is all packing needs. It is the layout Megatron and torchtitan's
+preprocessed datasets use, and numpy is the only reader needed.
+
+Each document ends with the tokenizer's EOS token when it has one (bytes has none: documents are
+kept apart by segment ids only). Tokenization runs in worker processes; the output is written to
+a temporary directory and renamed into place, and re-running with the same inputs, tokenizer and
+options finds the same key in the manifest and does nothing.
+"""
+
+import collections
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from spmd.errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT = "spmd-tokens-1"
+SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+CHUNK = 256  # documents per task handed to a worker
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    tokenizer: str = "bytes"
+    text_field: str = "text"
+    val_fraction: float = 0.0
+    errors: str = "strict"  # how non-UTF-8 text is decoded: strict (an error) | replace
+    shard_tokens: int = 1 << 30  # a new shard after this many tokens
+
+
+def input_files(inputs: list[str]) -> list[pathlib.Path]:
+    """Every input file, directories expanded (sorted, recursively), in a fixed order."""
+    if not inputs:
+        raise UserError("spmd-data prepare needs input files or directories")
+    files = []
+    for item in inputs:
+        path = pathlib.Path(item).expanduser()
+        if not path.exists():
+            raise UserError(f"input {item!r} not found")
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            if not found:
+                raise UserError(f"input directory {item!r} holds no {', '.join(SUFFIXES)} files")
+            files += found
+        elif path.suffix not in SUFFIXES:
+            raise UserError(f"input {item!r}: unknown kind of file; use {', '.join(SUFFIXES)}")
+        else:
+            files.append(path)
+    return files
+
+
+def _decode(data: bytes, path: pathlib.Path, errors: str, line: int | None = None) -> str:
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        where = f"{path}" + (f" line {line}" if line else "")
+        raise UserError(
+            f"{where} is not UTF-8 text (byte {e.start}); fix the file, or pass --errors replace"
+        ) from None
+
+
+def documents(path: pathlib.Path, opts: Options) -> Iterator[str]:
+    """The documents of one input file, in order."""
+    if path.suffix in (".txt", ".md"):
+        yield _decode(path.read_bytes(), path, opts.errors)
+    elif path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(_decode(raw, path, opts.errors, n))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path} line {n} is not JSON ({e.msg})") from None
+                text = record.get(opts.text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise UserError(
+                        f"{path} line {n} has no text field {opts.text_field!r}; name the field with --text-field"
+                    )
+                yield text
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e})") from None
+        if opts.text_field not in table.schema_arrow.names:
+            raise UserError(
+                f"{path} has no column {opts.text_field!r} (columns: {', '.join(table.schema_arrow.names)}); "
+                f"name it with --text-field"
+            )
+        for batch in table.iter_batches(columns=[opts.text_field]):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text
+
+
+def in_val(text: str, val_fraction: float) -> bool:
+    """The held-out split, by document content: stable under reordering and re-running."""
+    digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+
+
+def inputs_key(files: list[pathlib.Path], tokenizer, opts: Options) -> str:
+    """What the output depends on: input contents, the tokenizer file, the options."""
+    h = hashlib.sha256(
+        json.dumps([FORMAT, tokenizer.sha256, dataclasses.asdict(opts) | {"tokenizer": ""}]).encode()
+    )
+    for f in files:
+        h.update(str(f).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    from spmd import tokenizer as tokenizer_lib
+
+    _worker_tokenizer = tokenizer_lib.load(spec)
+
+
+def _encode(texts: list[str]) -> list[np.ndarray]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _chunks(files, opts) -> Iterator[list[str]]:
+    chunk = []
+    for f in files:
+        for text in documents(f, opts):
+            chunk.append(text)
+            if len(chunk) == CHUNK:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+class _ShardWriter:
+    """Documents of one split into <split>-NNNNN.bin/.idx files."""
+
+    def __init__(self, directory: pathlib.Path, split: str, dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.limit = directory, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.documents = self.tokens = 0
+        self._open()
+
+    def _open(self) -> None:
+        name = f"{self.split}-{len(self.shards):05d}"
+        self.bin = open(self.directory / f"{name}.bin", "wb")
+        self.ends: list[int] = []
+        self.shard = {"bin": f"{name}.bin", "idx": f"{name}.idx", "documents": 0, "tokens": 0}
+        self.shards.append(self.shard)
+
+    def add(self, ids: np.ndarray) -> None:
+        if self.shard["tokens"] and self.shard["tokens"] + len(ids) > self.limit:
+            self._close()
+            self._open()
+        self.bin.write(np.asarray(ids, self.dtype).tobytes())
+        self.shard["tokens"] += len(ids)
+        self.shard["documents"] += 1
+        self.ends.append(self.shard["tokens"])
+        self.documents, self.tokens = self.documents + 1, self.tokens + len(ids)
+
+    def _close(self) -> None:
+        self.bin.close()
+        np.asarray(self.ends, np.int64).tofile(self.directory / self.shard["idx"])
+
+    def close(self) -> dict:
+        self._close()
+        if not self.shard["documents"] and len(self.shards) > 1:
+            self.shards.pop()
+        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
+
+
+def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwrite: bool = False,
+            progress: bool = True) -> dict:  # fmt: skip
+    """Tokenize `inputs` into `out` (see the module doc); returns the manifest."""
+    from spmd import tokenizer as tokenizer_lib
+
+    if opts.errors not in ("strict", "replace"):
+        raise UserError(f"--errors must be strict or replace, got {opts.errors!r}")
+    if not 0 <= opts.val_fraction < 1:
+        raise UserError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
+    files = input_files(inputs)
+    tokenizer = tokenizer_lib.load(opts.tokenizer)
+    key = inputs_key(files, tokenizer, opts)
+    out_dir = pathlib.Path(out).expanduser()
+    if out_dir.exists():
+        existing = read_manifest(out_dir, check=False) if (out_dir / MANIFEST).is_file() else None
+        if existing is not None and existing.get("key") == key:
+            existing["unchanged"] = True
+            return existing
+        if not overwrite:
+            what = "a different prepared dataset" if existing is not None else "other files"
+            raise UserError(f"--out {out!r} already holds {what}; pass --overwrite or another --out")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out!r} cannot be created: {e.strerror}") from None
+    tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _write(files, tmp, tokenizer, opts, dtype, workers, progress)
+        if manifest["splits"]["train"]["documents"] == 0:
+            raise UserError(
+                f"inputs {', '.join(inputs)} hold no documents (or all fell in the held-out split)"
+            )
+        manifest["key"] = key
+        name = tokenizer_lib.run_file_name(tokenizer)
+        if name:  # the directory carries its tokenizer: spmd-train finds it there
+            shutil.copy2(tokenizer.file, tmp / name)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, progress: bool) -> dict:
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    writers = {s: _ShardWriter(directory, s, dtype, opts.shard_tokens) for s in ("train", "val")}
+    eos = tokenizer.eos_id
+    started = time.perf_counter()
+    columns = [TextColumn("{task.fields[docs]:,} documents  {task.fields[toks]:,} tokens  "
+                          "{task.fields[dps]:,.0f} documents/s  {task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn()]  # fmt: skip
+    from rich.console import Console
+
+    bar = Progress(*columns, disable=not progress, transient=False, console=Console(stderr=True))
+    task = bar.add_task("prepare", docs=0, toks=0, dps=0.0, tps=0.0, total=None)
+    # Chunks go to the workers in order and come back in order; the texts wait here (for the
+    # held-out split), at most `ahead` chunks in flight so memory stays bounded.
+    pending, ahead = collections.deque(), threading.Semaphore(4 * max(workers, 1))
+
+    def feed():
+        for chunk in _chunks(files, opts):
+            ahead.acquire()
+            pending.append(chunk)
+            yield chunk
+
+    pool = None
+    if workers > 1:
+        ctx = multiprocessing.get_context("spawn")
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(opts.tokenizer,))
+        encoded_chunks = pool.imap(_encode, feed(), chunksize=1)
+    else:
+        encoded_chunks = map(tokenizer.encode_batch, feed())
+    try:
+        with bar:
+            for encoded in encoded_chunks:
+                chunk = pending.popleft()
+                ahead.release()
+                for text, ids in zip(chunk, encoded):
+                    if eos is not None and (len(ids) == 0 or ids[-1] != eos):
+                        ids = np.append(ids, np.int32(eos))
+                    if len(ids) == 0:
+                        continue
+                    writers["val" if in_val(text, opts.val_fraction) else "train"].add(ids)
+                docs = sum(w.documents for w in writers.values())
+                toks = sum(w.tokens for w in writers.values())
+                seconds = max(time.perf_counter() - started, 1e-9)
+                bar.update(task, docs=docs, toks=toks, dps=docs / seconds, tps=toks / seconds)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    splits = {s: w.close() for s, w in writers.items()}
+    return {
+        "format": FORMAT,
+        "tokenizer": {
+            "name": tokenizer.name,
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": eos,
+        },  # fmt: skip
+        "dtype": np.dtype(dtype).name,
+        "documents": sum(s["documents"] for s in splits.values()),
+        "tokens": sum(s["tokens"] for s in splits.values()),
+        "splits": splits,
+        "options": dataclasses.asdict(opts),
+        "inputs": [str(f) for f in files],
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def tokenizer_file(directory: pathlib.Path) -> pathlib.Path | None:
+    """The copy of the tokenizer a prepared directory keeps (None for bytes)."""
+    from spmd.tokenizer import HF_TOKENIZER, SP_TOKENIZER
+
+    for name in (HF_TOKENIZER, SP_TOKENIZER):
+        if (pathlib.Path(directory) / name).is_file():
+            return pathlib.Path(directory) / name
+    return None
+
+
+def read_manifest(directory: pathlib.Path, check: bool = True) -> dict:
+    """A prepared directory's manifest; with `check`, its shards are verified against it (sizes,
+    document counts), so a truncated or missing shard is an error before training starts."""
+    path = pathlib.Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        assert manifest["format"] == FORMAT and {"train", "val"} <= set(manifest["splits"])
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise UserError(
+            f"{path} is not a readable spmd-data manifest; prepare the directory again with spmd-data prepare"
+        ) from None
+    if check:
+        itemsize = np.dtype(manifest["dtype"]).itemsize
+        for split in ("train", "val"):
+            for shard in manifest["splits"][split]["shards"]:
+                for kind, want in (("bin", shard["tokens"] * itemsize), ("idx", shard["documents"] * 8)):
+                    f = pathlib.Path(directory) / shard[kind]
+                    size = f.stat().st_size if f.is_file() else None
+                    if size != want:
+                        raise UserError(
+                            f"prepared data {str(directory)!r}: {shard[kind]} is "
+                            f"{'missing' if size is None else f'{size:,} bytes'} but the manifest says "
+                            f"{want:,}; it was truncated or replaced: prepare the directory again"
+                        )
+    return manifest

@@ -1,0 +1,269 @@
+"""Real text in: tokenizers trained here (BPE with `tokenizers`, SentencePiece), `spmd-data prepare`
+over .txt/.jsonl/.parquet, the manifest and its checks, bad input, and a packed run that samples text."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spmd import prepare, tokenizer
+from spmd.errors import UserError
+
+DOCS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "import os\nprint(os.getcwd())\n",
+    "naïve café — unicode text ✓\n",
+    "class Point:\n    x: int\n    y: int\n" * 2,
+    "short",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The documents as .txt files, one .jsonl and one .parquet; a BPE tokenizer.json and a
+    SentencePiece model trained on them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    txt = root / "txt"
+    txt.mkdir()
+    for i, doc in enumerate(DOCS):
+        (txt / f"doc{i}.txt").write_text(doc)
+    (root / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS))
+    )
+    pq.write_table(pa.table({"content": DOCS}), root / "docs.parquet")
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train(
+        [str(p) for p in sorted(txt.iterdir())],
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )  # fmt: skip
+    bpe.save(str(root / "tokenizer.json"))
+    (root / "sp.txt").write_text("\n".join(DOCS * 20))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(root / "sp.txt"), model_prefix=str(root / "sp"), vocab_size=60, model_type="bpe",
+        character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    return root
+
+
+def _tokens(out: pathlib.Path) -> list[np.ndarray]:
+    """Every document of a prepared directory (train and val, in order), as arrays."""
+    m = prepare.read_manifest(out)
+    docs = []
+    for split in ("train", "val"):
+        for shard in (s for s in m["splits"][split]["shards"] if s["documents"]):
+            tokens = np.fromfile(out / shard["bin"], dtype=m["dtype"])
+            ends = np.fromfile(out / shard["idx"], dtype=np.int64)
+            docs += np.split(tokens, ends[:-1])
+    return docs
+
+
+def test_tokenizers_round_trip(corpus):
+    bpe = tokenizer.load(str(corpus / "tokenizer.json"))
+    sp = tokenizer.load(str(corpus / "sp.model"))
+    assert isinstance(bpe, tokenizer.HFTokenizer) and isinstance(sp, tokenizer.SentencePieceTokenizer)
+    assert bpe.vocab_size == 300 and bpe.eos_id == 0 and sp.vocab_size == 60 and sp.eos_id == 2
+    for tok in (bpe, sp, tokenizer.ByteTokenizer()):
+        for doc in DOCS:
+            ids = tok.encode(doc)
+            assert ids.max() < tok.vocab_size
+            assert tok.decode(ids).strip() == doc.strip() or isinstance(tok, tokenizer.SentencePieceTokenizer)
+    assert sp.decode(sp.encode("class Point:")) == "class Point:"
+    with pytest.raises(UserError, match="not a loadable SentencePiece model"):
+        tokenizer.load(str(corpus / "txt" / "doc0.txt"))
+    with pytest.raises(UserError, match="not a loadable tokenizer.json"):
+        tokenizer.load(str(_write(corpus / "bad.json", "{not json")))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_prepare_gives_the_tokens_of_encoding_each_document(corpus, tmp_path, kind):
+    inputs = {"txt": corpus / "txt", "jsonl": corpus / "docs.jsonl", "parquet": corpus / "docs.parquet"}[kind]
+    opts = prepare.Options(
+        tokenizer=str(corpus / "tokenizer.json"), text_field="content" if kind == "parquet" else "text"
+    )
+    m = prepare.prepare([str(inputs)], str(tmp_path / "out"), opts, progress=False)
+    bpe = tokenizer.load(str(corpus / "tokenizer.json"))
+    want = [np.append(bpe.encode(d), bpe.eos_id) for d in DOCS]
+    assert [d.tolist() for d in _tokens(tmp_path / "out")] == [w.tolist() for w in want]
+    assert m["documents"] == len(DOCS) and m["tokens"] == sum(map(len, want)) and m["dtype"] == "uint16"
+    assert m["tokenizer"]["sha256"] == bpe.sha256 and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_prepare_splits_by_content_is_idempotent_and_uses_workers(corpus, tmp_path):
+    opts = prepare.Options(tokenizer=str(corpus / "sp.model"), val_fraction=0.4)
+    out = tmp_path / "out"
+    m = prepare.prepare([str(corpus / "txt")], str(out), opts, workers=2, progress=False)
+    held_out = [d for d in DOCS if prepare.in_val(d, 0.4)]
+    assert 0 < m["splits"]["val"]["documents"] == len(held_out) < len(DOCS)
+    one = prepare.prepare([str(corpus / "txt")], str(tmp_path / "one"), opts, workers=1, progress=False)
+    assert [d.tolist() for d in _tokens(out)] == [d.tolist() for d in _tokens(tmp_path / "one")]
+    assert one["key"] == m["key"]
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    again = prepare.prepare([str(corpus / "txt")], str(out), opts, workers=2, progress=False)
+    assert again.get("unchanged") and (out / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(UserError, match="already holds a different prepared dataset; pass --overwrite"):
+        prepare.prepare([str(corpus / "docs.jsonl")], str(out), opts, progress=False)
+    (out / "train-00000.bin").write_bytes((out / "train-00000.bin").read_bytes()[:-2])  # truncated
+    with pytest.raises(UserError, match="train-00000.bin is .* bytes but the manifest says"):
+        prepare.read_manifest(out)
+
+
+def test_bad_input_names_the_file_and_line(corpus, tmp_path):
+    opts = prepare.Options()
+    bad = _write(tmp_path / "bad.jsonl", '{"text": "ok"}\n{"text": "ok", \n')
+    cases = [
+        ([str(bad)], "bad.jsonl line 2 is not JSON"),
+        ([str(_write(tmp_path / "nofield.jsonl", '{"body": "x"}\n'))], "nofield.jsonl line 1 has no text field 'text'"),
+        ([str(tmp_path / "missing.txt")], "input '.*missing.txt' not found"),
+        ([str(_write(tmp_path / "x.csv", "a,b"))], "unknown kind of file"),
+    ]  # fmt: skip
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    cases.append(
+        ([str(latin)], "latin.txt is not UTF-8 text .byte 3.; fix the file, or pass --errors replace")
+    )
+    for inputs, message in cases:
+        with pytest.raises(UserError, match=message):
+            prepare.prepare(inputs, str(tmp_path / "out"), opts, progress=False)
+        assert not (tmp_path / "out").exists()  # nothing written
+    m = prepare.prepare(
+        [str(latin)], str(tmp_path / "out"), prepare.Options(errors="replace"), progress=False
+    )
+    assert m["documents"] == 1
+    with pytest.raises(UserError, match="tokenizer '.*nope.json' not found"):
+        prepare.prepare(
+            [str(latin)], str(tmp_path / "o2"), prepare.Options(tokenizer=str(tmp_path / "nope.json"))
+        )
+
+
+def test_mixture_proportions_follow_the_weights():
+    from spmd.data import mixture_order
+
+    weights, n = [3.0, 1.0, 0.5], 10_000
+    order = mixture_order(weights)
+    tags = np.array([order[i] for i in range(n)])
+    for k, w in enumerate(weights):
+        p = w / sum(weights)
+        assert abs((tags == k).sum() - n * p) <= 3 * np.sqrt(n * p * (1 - p)), (k, (tags == k).sum())
+    assert [order[i] for i in range(5000, 5010)] == tags[5000:5010].tolist()  # a pure function of i
+
+
+def _prepared(corpus, tmp_path, name, docs):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i}: {d}"}) + "\n" for i, d in enumerate(docs)))
+    opts = prepare.Options(tokenizer=str(corpus / "tokenizer.json"), val_fraction=0.2)
+    prepare.prepare([str(path)], str(tmp_path / name), opts, progress=False)
+    return tmp_path / name
+
+
+def test_a_mixture_resumes_and_changes_batch_size_on_the_same_sample_stream(corpus, tmp_path, tiny_cfg):
+    """The batches of a 2-source packed mixture are a pure function of the sample index: a resumed
+    run (fresh Batches moved to the data position) draws what the uninterrupted one draws, also
+    with another global batch size."""
+    from spmd.config import apply_overrides
+    from spmd.data import make_batches
+
+    a = _prepared(corpus, tmp_path, "code", [d * 4 for d in DOCS[::2]] * 8)
+    b = _prepared(corpus, tmp_path, "prose", [d * 4 for d in DOCS[1::2]] * 8)
+    sources = json.dumps([{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1, "name": "en"}])
+    cfg = apply_overrides(tiny_cfg, [f"data.sources={sources}", "data.packing=segments", "train.seq_len=16",
+                                     "train.global_batch_size=4", "model.vocab_size=320"])  # fmt: skip
+    whole = make_batches(cfg, None)
+    assert list(whole.val_sources) == ["code", "en"] and "mixture of code (weight 3)" in whole.description
+    stream = np.concatenate([whole.global_numpy_batch(s) for s in range(6)])  # 24 samples
+    resumed = make_batches(cfg, None)
+    resumed.resume_at(3, whole.consumed_samples(3))
+    np.testing.assert_array_equal(
+        np.concatenate([resumed.global_numpy_batch(s) for s in (3, 4, 5)]), stream[12:]
+    )
+    bigger = make_batches(apply_overrides(cfg, ["train.global_batch_size=6"]), None)
+    bigger.resume_at(2, 8)  # 8 samples consumed at batch 4, now batches of 6
+    np.testing.assert_array_equal(
+        np.concatenate([bigger.global_numpy_batch(s) for s in (2, 3)]), stream[8:20]
+    )
+    bad = json.dumps([{"path": str(a)}, {"path": str(tmp_path / "nowhere")}])
+    with pytest.raises(UserError, match="data.sources 'nowhere': .* not found"):
+        make_batches(apply_overrides(cfg, [f"data.sources={bad}"]), None)
+    with pytest.raises(UserError, match="weight must be a positive number"):
+        apply_overrides(cfg, [f'data.sources=[{{"path": "{a}", "weight": 0}}]'])
+    with pytest.raises(UserError, match="raise model.vocab_size to at least 300"):
+        make_batches(apply_overrides(cfg, ["model.vocab_size=256"]), None)
+    from spmd.data import data_tokenizer
+
+    assert data_tokenizer(cfg.data).sha256 == tokenizer.file_hash(corpus / "tokenizer.json")
+    with pytest.raises(UserError, match="is not the tokenizer .* was prepared with"):
+        data_tokenizer(apply_overrides(cfg, [f"data.tokenizer={corpus / 'sp.model'}"]).data)
+    sp_source = prepare.prepare(
+        [str(corpus / "txt")],
+        str(tmp_path / "sp"),
+        prepare.Options(tokenizer=str(corpus / "sp.model"), val_fraction=0.3),
+        progress=False,
+    )
+    assert sp_source["tokenizer"]["vocab_size"] == 60
+    mixed = json.dumps([{"path": str(a)}, {"path": str(tmp_path / "sp")}])
+    with pytest.raises(UserError, match="every source of a mixture needs the same tokenizer"):
+        data_tokenizer(apply_overrides(cfg, [f"data.sources={mixed}"]).data)
+
+
+@pytest.mark.slow
+def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path):
+    """spmd-data prepare (the console command) makes two sources; spmd-train trains a packed
+    2-source mixture on the BPE tokenizer, stopped at step 3 and resumed to 6 with the losses of
+    the uninterrupted run, eval_loss per source; spmd-sample prints text through the run dir's
+    copy of the tokenizer."""
+    from test_cli import spmd_train
+
+    paths = []
+    for name, docs in (("code", DOCS[::2]), ("prose", DOCS[1::2])):
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": f"{i}: {d * 3}"}) + "\n" for i, d in enumerate(docs * 12)))
+        prep = subprocess.run(
+            [sys.executable, "-m", "spmd.cli.data", "prepare", str(src), "--tokenizer", str(corpus / "tokenizer.json"),
+             "--out", str(tmp_path / name), "--val-fraction", "0.2", "--quiet"], capture_output=True, text=True,
+        )  # fmt: skip
+        assert prep.returncode == 0 and "training documents" in prep.stderr, prep.stderr
+        paths.append(str(tmp_path / name))
+    sources = json.dumps([{"path": paths[0], "weight": 2}, {"path": paths[1], "name": "en"}])
+    base = ["--config", "tiny", "--mesh", "fsdp=2", "--host-devices", "2", "--set", f"data.sources={sources}",
+            "--set", "data.packing=segments", "--set", "train.seq_len=32", "--set", "train.schedule_steps=6",
+            "--log-every", "1", "--eval-every", "3"]  # fmt: skip
+    base += ["--set", "model.vocab_size=320"]
+    runs = {}
+    for name, stops in (("whole", [6]), ("resumed", [3, 6])):
+        for steps in stops:
+            result = spmd_train(*base, "--steps", str(steps), "--run-dir", str(tmp_path / name))
+            assert result.returncode == 0, result.stderr[-2000:]
+        runs[name] = [
+            json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+    assert "mixture of code (weight 2)" in result.stderr and "packing: segments" in result.stderr
+    assert [r["loss"] for r in runs["resumed"]] == [r["loss"] for r in runs["whole"]]  # bit-exact
+    last = runs["whole"][-1]
+    assert last["step"] == 6 and {"eval_loss", "eval_loss/code", "eval_loss/en"} <= set(last)
+    run_dir = tmp_path / "whole"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["tokenizer"]["sha256"] == tokenizer.file_hash(corpus / "tokenizer.json")
+    assert (run_dir / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
+    sample = subprocess.run(
+        [sys.executable, "-m", "spmd.cli.sample", "--run-dir", str(run_dir), "--prompt", "def add",
+         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert sample.returncode == 0, sample.stderr[-2000:]
+    assert sample.stdout.startswith("def add") and len(sample.stdout) > len("def add")
