@@ -19,7 +19,14 @@ CHUNKED_FROM = 1024
 
 
 def xla_attention(
-    q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, q_positions_BT=None, k_positions_BS=None, segment_ids_BT=None
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    causal: bool = True,
+    q_positions_BT=None,
+    k_positions_BS=None,
+    segment_ids_BT=None,
 ):
     """Plain softmax attention; GQA by grouping query heads, never repeating K/V.
 
@@ -70,7 +77,9 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids
     def kernel(q, k, v, seg):
         return flash_attention(q, k, v, causal=causal, segment_ids_BT=seg)
 
-    return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES, TOKEN_AXES), Q_AXES)(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES, TOKEN_AXES), Q_AXES)(
+        q_BTNH, k_BSKH, v_BSKH, segment_ids_BT
+    )
 
 
 ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": pallas_attention}

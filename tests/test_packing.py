@@ -123,13 +123,16 @@ def test_packed_batch_equals_its_documents_one_by_one(separate, devices, impl):
     [
         ("cp_ring", "data=2,context=4", "zigzag"),
         ("cp_ring", "data=2,context=4", "striped"),
+        ("cp_ring", "data=2,context=4", "zigzag:pallas"),  # ring blocks by the flash kernel
         ("allgather", "data=2,context=4", ""),
         ("cp_ulysses", "data=2,context=2", ""),
     ],
 )
 def test_packed_batch_under_context_parallelism_equals_its_documents(separate, devices, rules, mesh, layout):
     n = int(np.prod([int(part.split("=")[1]) for part in mesh.split(",")]))
+    layout, _, impl = layout.partition(":")
     overrides = [f"attention.load_balance={layout}"] if layout else []
+    overrides += [f"model.attention_impl={impl}"] if impl else []
     _check(separate, mesh, rules, overrides, devices[:n])
 
 

@@ -2,6 +2,7 @@
 over .txt/.jsonl/.parquet, the manifest and its checks, bad input, and a packed run that samples text."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -153,6 +154,19 @@ def test_bad_input_names_the_file_and_line(corpus, tmp_path):
         )
 
 
+def test_cli_bad_input_is_one_error_line_and_exit_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "spmd.cli.data", "prepare", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert (
+        result.returncode == 2
+        and result.stderr.startswith("error: input ")
+        and result.stderr.count("\n") == 1
+    )
+    assert not (tmp_path / "o").exists()
+
+
 def test_mixture_proportions_follow_the_weights():
     from spmd.data import mixture_order
 
@@ -225,10 +239,10 @@ def test_a_mixture_resumes_and_changes_batch_size_on_the_same_sample_stream(corp
 @pytest.mark.slow
 def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path):
     """spmd-data prepare (the console command) makes two sources; spmd-train trains a packed
-    2-source mixture on the BPE tokenizer, stopped at step 3 and resumed to 6 with the losses of
-    the uninterrupted run, eval_loss per source; spmd-sample prints text through the run dir's
-    copy of the tokenizer."""
-    from test_cli import spmd_train
+    2-source mixture on the BPE tokenizer; killed (-9) mid-run and rerun, it ends with the losses
+    of the uninterrupted run; eval_loss per source; spmd-sample prints text through the run
+    dir's copy of the tokenizer."""
+    from test_cli import ROOT, spmd_train
 
     paths = []
     for name, docs in (("code", DOCS[::2]), ("prose", DOCS[1::2])):
@@ -245,15 +259,23 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
             "--set", "data.packing=segments", "--set", "train.seq_len=32", "--set", "train.schedule_steps=6",
             "--log-every", "1", "--eval-every", "3"]  # fmt: skip
     base += ["--set", "model.vocab_size=320"]
-    runs = {}
-    for name, stops in (("whole", [6]), ("resumed", [3, 6])):
-        for steps in stops:
-            result = spmd_train(*base, "--steps", str(steps), "--run-dir", str(tmp_path / name))
-            assert result.returncode == 0, result.stderr[-2000:]
-        runs[name] = [
-            json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        ]
-    assert "mixture of code (weight 2)" in result.stderr and "packing: segments" in result.stderr
+    whole = spmd_train(*base, "--steps", "6", "--run-dir", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert "mixture of code (weight 2)" in whole.stderr and "packing: segments" in whole.stderr
+    # The same command under tests/hang_train.py, which kills it (-9) before step 5; run again, it
+    # resumes (from step 3, or afresh if that save had not committed) to the same losses.
+    killed = [sys.executable, str(ROOT / "tests" / "hang_train.py"), *base, "--steps", "6", "--checkpoint-every",
+              "3", "--run-dir", str(tmp_path / "resumed")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env |= {"DIE_STEP": "4", "DIE_PROCESS": "0", "HANG_MARK": str(tmp_path / "mark")}
+    first = subprocess.run(killed, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == -9, first.stderr[-2000:]
+    again = subprocess.run(killed, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-2000:]
+    runs = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("whole", "resumed")
+    }
     assert [r["loss"] for r in runs["resumed"]] == [r["loss"] for r in runs["whole"]]  # bit-exact
     last = runs["whole"][-1]
     assert last["step"] == 6 and {"eval_loss", "eval_loss/code", "eval_loss/en"} <= set(last)
