@@ -91,9 +91,9 @@ LOCAL_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": fla
 def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None):
     """Causal self-attention of one training sequence (of packed documents, with segment ids).
     When the active sharding rules split the sequence over devices, context parallelism (ring,
-    Ulysses or all-gather) takes over; the tokens' positions then define the mask, since the
-    sequence may be permuted for load balance (positions restart at each packed document, so
-    within a segment they still order the tokens). That implementation is handed in through the
+    Ulysses or all-gather) takes over; `positions_BT` (each token's index in the sequence, which
+    may be permuted for load balance) then define the causal mask, and the ring's flash-kernel
+    blocks are skipped or kept by comparing them. That implementation is handed in through the
     seam (spmd/context.py provides it)."""
     if is_split("seq"):
         return provided("context_attention")(

@@ -170,11 +170,12 @@ class Attention(nnx.Module):
                 )
             )
 
-    def __call__(self, x_BTD, positions_BT, kv=None, segment_ids_BT=None):
+    def __call__(self, x_BTD, positions_BT, kv=None, segment_ids_BT=None, order_BT=None):
         """kv: None (training: causal over this sequence), or (k_BSKH, v_BSKH, positions_BS, index)
         of a cache: the new keys and values are written at `index` and attended with the cache.
         segment_ids_BT (training): packed documents; a token attends only within its own segment,
-        and positions_BT restart at each document."""
+        and positions_BT (RoPE) restart at each document, so order_BT gives each token's index in
+        the sequence for masks that compare positions (context parallelism)."""
         dt = x_BTD.dtype
         q_BTNH = project(x_BTD, self.wq_DNH[...].astype(dt))  # BTD,DNH->BTNH
         k_BTKH = project(x_BTD, self.wk_DKH[...].astype(dt))  # BTD,DKH->BTKH
@@ -188,7 +189,9 @@ class Attention(nnx.Module):
         k_BTKH = rope(k_BTKH, positions_BT, freq_h)
         if kv is None:
             impl = attention.resolve(self.cfg.attention_impl, q_BTNH.shape[1])
-            out_BTNH = attention.attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl, segment_ids_BT)
+            out_BTNH = attention.attend(
+                q_BTNH, k_BTKH, v_BTKH, positions_BT if order_BT is None else order_BT, impl, segment_ids_BT
+            )
             new_kv = None
         else:
             k_BSKH, v_BSKH, positions_BS, index = kv
@@ -213,9 +216,9 @@ class Block(nnx.Module):
         self.moe = moe
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, kv=None, segment_ids_BT=None):
+    def __call__(self, x_BTD, positions_BT, kv=None, segment_ids_BT=None, order_BT=None):
         """(output, new kv or None, MoEStats or None)."""
-        attn_BTD, new_kv = self.attn(self.attn_norm(x_BTD), positions_BT, kv, segment_ids_BT)
+        attn_BTD, new_kv = self.attn(self.attn_norm(x_BTD), positions_BT, kv, segment_ids_BT, order_BT)
         x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL_AXES)
         if self.moe:
             mlp_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
@@ -271,9 +274,11 @@ class Decoder(nnx.Module):
         logits_BTV, cache, _ = self.forward(tokens_BT, positions_BT, cache)
         return logits_BTV if cache is None else (logits_BTV, cache)
 
-    def forward(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, segment_ids_BT=None):
+    def forward(
+        self, tokens_BT, positions_BT=None, cache: KVCache | None = None, segment_ids_BT=None, order_BT=None
+    ):
         """(logits, updated cache or None, MoEStats stacked over MoE layers or None).
-        segment_ids_BT: packed documents (training); see Attention."""
+        segment_ids_BT, order_BT: packed documents (training); see Attention."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(dt), RESIDUAL_AXES)
         if positions_BT is None:
@@ -307,7 +312,7 @@ class Decoder(nnx.Module):
                     else nnx.merge(graphdefs["dense"], jax.tree.map(lambda a: a[i], xs["dense"]))
                 )
                 kv = None if cache is None else (xs["k"][i], xs["v"][i], positions_BS, cache.index)
-                x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv, segment_ids_BT)
+                x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv, segment_ids_BT, order_BT)
                 x_BTD = constrain(x_BTD, RESIDUAL_AXES)
                 stats = layer_stats if moe else stats
                 if layer_kv is not None:

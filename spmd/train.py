@@ -67,21 +67,25 @@ def token_losses(
     `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
     model gets each token's true position, and the sums do not depend on the order. `moe_coefs`:
     the MoE load-balancing and router z-loss weights; the fourth output holds MoE statistics."""
-    inputs_BT, targets_BT, positions_BT = batch["inputs"], batch["targets"], None
-    # Packed documents (data.packing = segments): each token's document, its position in it, and
-    # which targets count (not the first token of a document, predicted from the one before).
+    inputs_BT, targets_BT, positions_BT, order_BT = batch["inputs"], batch["targets"], None, None
+    # Packed documents (data.packing = segments): each token's document, its position in it (for
+    # RoPE), and which targets count (not the first token of a document, predicted from the one
+    # before).
     segment_ids_BT, loss_mask_BT = batch.get("segment_ids"), batch.get("loss_mask")
     if segment_ids_BT is not None:
         positions_BT = batch["positions"]
     if seq_perm is not None:
         inputs_BT, targets_BT = inputs_BT[:, seq_perm], targets_BT[:, seq_perm]
+        # Each token's index in the sequence: the positions of an unpacked sequence, and what
+        # context parallelism's masks compare for a packed one.
+        order_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
         if segment_ids_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
+            positions_BT, order_BT = order_BT, None
         else:
             positions_BT, segment_ids_BT = positions_BT[:, seq_perm], segment_ids_BT[:, seq_perm]
             loss_mask_BT = loss_mask_BT[:, seq_perm]
     logits_BTV, _, moe = nnx.merge(graphdef, params).forward(
-        inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT
+        inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
     )
     logits_BTV = logits_BTV.astype(jnp.float32)
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)

@@ -263,15 +263,16 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert "mixture of code (weight 2)" in whole.stderr and "packing: segments" in whole.stderr
     # The same command under tests/hang_train.py, which kills it (-9) before step 5; run again, it
-    # resumes (from step 3, or afresh if that save had not committed) to the same losses.
+    # resumes from step 3 (saved synchronously, so surely committed) to the same losses.
     killed = [sys.executable, str(ROOT / "tests" / "hang_train.py"), *base, "--steps", "6", "--checkpoint-every",
-              "3", "--run-dir", str(tmp_path / "resumed")]  # fmt: skip
+              "3", "--set", "checkpoint.async_save=false", "--run-dir", str(tmp_path / "resumed")]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env |= {"DIE_STEP": "4", "DIE_PROCESS": "0", "HANG_MARK": str(tmp_path / "mark")}
     first = subprocess.run(killed, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == -9, first.stderr[-2000:]
     again = subprocess.run(killed, capture_output=True, text=True, env=env, timeout=300)
-    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-2000:]
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints'}/3" in again.stderr
     runs = {
         name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         for name in ("whole", "resumed")
