@@ -144,6 +144,9 @@ _worker_tokenizer = None
 
 def _init_worker(spec: str) -> None:
     global _worker_tokenizer
+    # One thread per worker: the workers are the parallelism (the tokenizers library would
+    # otherwise start a thread per core in every worker and oversubscribe the machine).
+    os.environ["RAYON_NUM_THREADS"] = "1"
     from spmd import tokenizer as tokenizer_lib
 
     _worker_tokenizer = tokenizer_lib.load(spec)
