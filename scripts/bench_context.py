@@ -30,6 +30,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from spmd import dryrun  # noqa: E402
 from spmd.setup import assemble  # noqa: E402
 from spmd.sharding import fmt_bytes  # noqa: E402
 
@@ -56,9 +57,7 @@ def setup_for(T, n, rules, batch=1, impl="chunked"):
 def peak_bytes(T, n):
     trainer = setup_for(T, n, "cp_ring" if n > 1 else "dp").trainer
     compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch(1, T)).compile()
-    m = compiled.memory_analysis()
-    # XLA:CPU's peak_memory_in_bytes does not count temporaries; this does (donated state counted once).
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return dryrun.peak_bytes(compiled.memory_analysis())
 
 
 def memory_table(budget, lengths):

@@ -98,6 +98,19 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     return out
 
 
+def peak_bytes(mem) -> int:
+    """A compiled step's peak bytes per device from its memory_analysis(): arguments + outputs -
+    aliased (donated state counted once) + temporaries. XLA:CPU's own `peak_memory_in_bytes`
+    leaves the temporaries out (llama-70b on fsdp=32,tensor=8: 3.10 GiB against 205 GiB of
+    temporaries), so it is not used."""
+    return (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
+
+
 def dry_run(setup, list_instructions: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
@@ -146,7 +159,8 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
             "arguments": mem.argument_size_in_bytes,
             "outputs": mem.output_size_in_bytes,
             "temporaries": mem.temp_size_in_bytes,
-            "peak": mem.peak_memory_in_bytes,
+            "aliased": mem.alias_size_in_bytes,
+            "peak": peak_bytes(mem),
         },
         "model_flops_per_step": flops,
         "model_flops_per_device": flops / mesh.size,

@@ -11,7 +11,7 @@
    bandwidth (axes that span hosts, with --dcn, use the DCN bandwidth), compute and communication
    not overlapped (a conservative bound).
 4. Dry-run (compile, nothing allocated) down the ranking until --candidates layouts fit (at most
-   --max-compiles): reject any whose compiled arguments + temporaries exceed the budget, re-rank
+   --max-compiles): reject any whose compiled peak (spmd.dryrun.peak_bytes) exceeds the budget, re-rank
    with the collective bytes the compiled step really sends, and print the top five with their
    reasons.
 """
@@ -197,9 +197,9 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
             break
         compiled += 1
         r = dry_run(cand["setup"])
-        need = r["per_device_bytes"]["arguments"] + r["per_device_bytes"]["temporaries"]
+        need = r["per_device_bytes"]["peak"]
         if need > budget:
-            why = f"compiled step needs {fmt_bytes(need)} per device (arguments + temporaries) > budget {fmt_bytes(budget)}"
+            why = f"compiled step needs {fmt_bytes(need)} per device (peak: arguments + outputs - aliased + temporaries) > budget {fmt_bytes(budget)}"
             rejected.append((cand["mesh"], cand["rules"], why))
             continue
         by_axis = {}

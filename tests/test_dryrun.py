@@ -34,6 +34,9 @@ def test_param_and_optimizer_bytes_are_exact(devices, mesh, rules, params):
         got["optimizer_state"] == 2 * params + 8
     )  # Adam mu and nu, plus two int32 step counts (Adam, schedule)
     assert got["arguments"] >= params + 2 * params  # the compiled step really takes them as inputs
+    # The peak holds the temporaries (XLA:CPU's own peak figure does not) and the donated state once.
+    assert got["peak"] == got["arguments"] + got["outputs"] - got["aliased"] + got["temporaries"]
+    assert got["aliased"] >= params + 2 * params and got["peak"] > got["temporaries"]
 
 
 def _counts(r):

@@ -52,7 +52,10 @@ def print_report(r: dict) -> None:
     )
     print("per device:")
     for k, v in r["per_device_bytes"].items():
-        print(f"  {k:<16} {fmt_bytes(v):>12}")
+        print(
+            f"  {k:<16} {fmt_bytes(v):>12}"
+            + ("  (arguments + outputs - aliased + temporaries)" if k == "peak" else "")
+        )
     print(
         f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
         f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
