@@ -68,6 +68,10 @@ class Rules:
     # sequence layout that balances causal work. Config [attention] keys override both.
     context_parallel: str = "ring"  # ring | ulysses | allgather
     load_balance: str = "zigzag"  # zigzag | striped | contiguous
+    # Sharded weight update (ZeRO-1/2, Xu et al. 2020): the optimizer state (and so the update) is
+    # further split over these mesh axes, the data axes, while parameters keep their own sharding
+    # (spmd/train.py: optimizer_sharding).
+    shard_optimizer_over: tuple[str, ...] = ()
     # Which file set each key (a logical name or a top-level key), through `extends`.
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -119,16 +123,28 @@ class Rules:
             "description": self.description,
             "context_parallel": self.context_parallel,
             "load_balance": self.load_balance,
+            **(
+                {"shard_optimizer_over": list(self.shard_optimizer_over)} if self.shard_optimizer_over else {}
+            ),
             "rules": {k: list(v) for k, v in self.mapping.items()},
         }
 
 
-TOP_KEYS = ("description", "extends", "replicated_params_ok", "context_parallel", "load_balance", "rules")
+TOP_KEYS = (
+    "description",
+    "extends",
+    "replicated_params_ok",
+    "context_parallel",
+    "load_balance",
+    "shard_optimizer_over",
+    "rules",
+)
 DEFAULTS = {
     "description": "",
     "replicated_params_ok": False,
     "context_parallel": "ring",
     "load_balance": "zigzag",
+    "shard_optimizer_over": (),
 }
 
 
@@ -172,7 +188,7 @@ def _read(path: pathlib.Path) -> dict:
 
 
 def _mesh_axes(path: pathlib.Path, logical: str, value) -> tuple[str, ...]:
-    if logical not in LOGICAL_AXES:
+    if logical not in LOGICAL_AXES and logical != "shard_optimizer_over":
         raise UserError(
             f"unknown logical axis {logical!r} in rules file {str(path)!r}"
             f"{closest(logical, LOGICAL_AXES)}; known axes: {', '.join(LOGICAL_AXES)}"
@@ -220,6 +236,8 @@ def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> Rules:
             top[key], sources[key] = doc[key], name
         else:
             top[key] = getattr(parent, key) if parent else default
+    if "shard_optimizer_over" in doc:
+        top["shard_optimizer_over"] = _mesh_axes(path, "shard_optimizer_over", doc["shard_optimizer_over"])
     return Rules(
         name=name,
         description=str(top["description"]),
@@ -227,6 +245,7 @@ def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> Rules:
         replicated_params_ok=bool(top["replicated_params_ok"]),
         context_parallel=top["context_parallel"],
         load_balance=top["load_balance"],
+        shard_optimizer_over=tuple(top["shard_optimizer_over"]),
         sources=sources,
     )
 
@@ -236,6 +255,9 @@ def rules_table(rules: Rules) -> str:
     rows = [("key", "mesh axes / value", "set by")]
     for key in ("replicated_params_ok", "context_parallel", "load_balance"):
         rows.append((key, str(getattr(rules, key)).lower(), rules.sources.get(key, "default")))
+    if rules.shard_optimizer_over:
+        rows.append(("shard_optimizer_over", ", ".join(rules.shard_optimizer_over),
+                     rules.sources.get("shard_optimizer_over", "default")))  # fmt: skip
     for logical, axes in rules.mapping.items():
         rows.append((logical, ", ".join(axes) or "[] (replicated)", rules.sources.get(logical, "-")))
     width = [max(len(r[c]) for r in rows) for c in range(2)]

@@ -203,6 +203,26 @@ def plan(
     )
 
 
+def update_sharding(rules, mesh, sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """Where an optimizer-state array of a parameter sharded as `sharding` lives: the parameter's
+    sharding, further split over the rules' `shard_optimizer_over` axes (the sharded weight update,
+    ZeRO-1/2) on the first dimension they divide. Axes of size 1, axes the parameter already uses,
+    and arrays no dimension of which divides stay as the parameter is."""
+    sizes = dict(mesh.shape)
+    used = {a for entry in sharding.spec for a in spec_axes(entry)}
+    extra = tuple(a for a in rules.shard_optimizer_over if sizes.get(a, 1) > 1 and a not in used)
+    if not extra or not shape:
+        return sharding
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for dim, size in enumerate(shape):
+        axes = spec_axes(spec[dim])
+        if size % (axes_size(sizes, axes) * axes_size(sizes, extra)) == 0:
+            merged = axes + extra
+            spec[dim] = merged[0] if len(merged) == 1 else merged
+            return NamedSharding(mesh, PartitionSpec(*spec))
+    return sharding
+
+
 def tree_bytes_per_device(abstract_tree) -> int:
     """Bytes each device holds of a tree of ShapeDtypeStructs with shardings (the most loaded device)."""
     total = 0

@@ -150,12 +150,19 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     schedule = lr_schedule(tcfg)
 
     opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
+    # The optimizer state follows its parameter's sharding, split further over the rules'
+    # shard_optimizer_over axes (the sharded weight update); so does the update itself, below.
     opt_shardings = optax.tree_map_params(
         tx,
-        lambda _, sh: sh,
+        lambda leaf, sh: sharding_lib.update_sharding(rules, mesh, sh, leaf.shape),
         opt_shapes,
         plan.param_shardings,
         transform_non_params=lambda _: plan.replicated,
+    )
+    update_shardings = jax.tree.map(
+        lambda x, sh: sharding_lib.update_sharding(rules, mesh, sh, x.shape),
+        plan.abstract_params,
+        plan.param_shardings,
     )
     state_shardings = {"params": plan.param_shardings, "opt_state": opt_shardings, "step": plan.replicated}
 
@@ -212,8 +219,12 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         with plan.activate():
             grads, (ce_sum, z_sum, count, moe) = grads_and_sums(state["params"], batch)
         grads = jax.tree.map(lambda g: g / count, grads)
-        grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
+        # Gradients are reduced to where the update runs: the parameters' sharding, or under a
+        # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
+        # one); the updated parameters are gathered back to their own sharding by out_shardings.
+        grads = jax.lax.with_sharding_constraint(grads, update_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        updates = jax.lax.with_sharding_constraint(updates, update_shardings)
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient skips the update: parameters and optimizer state stay as

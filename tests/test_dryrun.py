@@ -39,6 +39,19 @@ def test_param_and_optimizer_bytes_are_exact(devices, mesh, rules, params):
     assert got["aliased"] >= params + 2 * params and got["peak"] > got["temporaries"]
 
 
+def test_sharded_weight_update_splits_the_optimizer_state_over_data():
+    """dp_zero1 on data=8: parameters stay replicated, the optimizer state is 1/8 per device, and
+    the updated parameters are all-gathered over data (XLA:CPU reduces the gradients with an
+    all-reduce, then each device slices its part: it has no reduce-scatter creator)."""
+    dp, zero = report("data=8", "dp"), report("data=8", "dp_zero1")
+    params = MATRICES + NORMS
+    assert zero["per_device_bytes"]["params"] == dp["per_device_bytes"]["params"] == params
+    assert dp["per_device_bytes"]["optimizer_state"] == 2 * params + 8
+    assert zero["per_device_bytes"]["optimizer_state"] <= 1.05 * (2 * params + 8) / 8
+    gathered = sum(c["result_bytes"] for c in zero["collectives"] if c["kind"] == "all-gather")
+    assert gathered >= MATRICES and not any(c["kind"] == "all-gather" for c in dp["collectives"])
+
+
 def _counts(r):
     return {(c["kind"], tuple(c["axes"])): c["count"] for c in r["collectives"]}
 

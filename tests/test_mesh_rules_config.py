@@ -75,6 +75,12 @@ def test_rules_errors(tmp_path):
         load_rules(_rules_file(tmp_path, '[rules]\nbatch = ["data", "data"]\n'))
     with pytest.raises(UserError, match="not valid TOML"):
         load_rules(_rules_file(tmp_path, "[rules\n"))
+    with pytest.raises(
+        UserError, match="shard_optimizer_over maps to unknown mesh axis 'dta'.*did you mean 'data'"
+    ):
+        load_rules(_rules_file(tmp_path, 'extends = "dp"\nshard_optimizer_over = ["dta"]\n'))
+    assert load_rules("dp_zero1").shard_optimizer_over == ("data", "fsdp")
+    assert "shard_optimizer_over  data, fsdp" in rules_table(load_rules("dp_zero1"))
 
 
 def test_a_rules_file_extends_a_preset_and_lists_only_what_differs(tmp_path):

@@ -12,6 +12,9 @@ from spmd.config import AttentionConfig
 
 LAYOUTS = [
     ("dp", "data=8"),
+    # The sharded weight update (ZeRO-1/2): optimizer state split over data.
+    ("dp_zero1", "data=8"),
+    ("tp_zero1", "data=4,tensor=2"),
     ("fsdp", "fsdp=8"),
     ("tp", "data=4,tensor=2"),
     ("fsdp_tp", "fsdp=4,tensor=2"),
