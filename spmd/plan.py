@@ -3,7 +3,7 @@
     spmd-plan --config llama-70b --devices 256 --memory-per-device 80GiB [--dcn 4] [--hardware h100]
 
 1. Enumerate meshes (factorisations of N over data, fsdp and tensor; expert too for MoE models;
-   any of the five axes with --axes) with the presets whose axes cover them (dp, fsdp, tp,
+   any of the five axes with --axes) with the presets whose axes cover them (dp, dp_zero1, fsdp, tp, tp_zero1,
    fsdp_tp, tp_sp, fsdp_tp_sp, ep, fsdp_ep, cp_ring, cp_ulysses); reject those the rules cannot
    shard (divisibility).
 2. Prune by analytic memory: parameters + gradients + optimizer state per device must fit.
@@ -28,8 +28,10 @@ from spmd.mesh import MESH_AXES, format_mesh
 # under another name: fsdp_tp on a mesh without tensor would be fsdp).
 PRESET_AXES = {
     "dp": {"data"},
+    "dp_zero1": {"data"},
     "fsdp": {"data", "fsdp"},
     "tp": {"data", "tensor"},
+    "tp_zero1": {"data", "tensor"},
     "fsdp_tp": {"data", "fsdp", "tensor"},
     "tp_sp": {"data", "tensor"},
     "fsdp_tp_sp": {"data", "fsdp", "tensor"},
@@ -40,8 +42,10 @@ PRESET_AXES = {
 }
 REQUIRED = {
     "dp": set(),
+    "dp_zero1": {"data"},
     "fsdp": {"fsdp"},
     "tp": {"tensor"},
+    "tp_zero1": {"data", "tensor"},
     "fsdp_tp": {"fsdp", "tensor"},
     "tp_sp": {"tensor"},
     "fsdp_tp_sp": {"fsdp", "tensor"},
