@@ -80,7 +80,7 @@ def test_searches_expert_and_context_axes():
     # Expert parallelism moves tokens, not parameters: with this little compute it ranks first.
     assert len(best) == 2 and all("--rules ep:" in line and "expert=" in line for line in best)
     assert "--mesh context=8 --rules cp_ulysses: ulysses context parallelism over context=8" in r.stdout
-    assert "(6 more fit by analytic memory" in r.stdout  # cp_ring and the rest of ep
+    assert "(7 more fit by analytic memory" in r.stdout  # cp_ring, dp_zero1 and the rest of ep
     assert not any("fsdp=" in line or "tensor=" in line for line in lines)  # only the axes asked for
     bad = run_script(
         "plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--axes", "data,pipe"
