@@ -529,6 +529,16 @@ def resume_or_init(
             f"checkpoint {directory}/{step} holds parameters only (e.g. from spmd-ckpt import-hf), no optimizer "
             f"state to resume; start from it with --init-from {directory.parent} and a new --run-dir"
         )
+    saved_opt = {"name": "adamw", "state_dtype": "float32"} | (
+        meta.get("run", {}).get("config", {}).get("optimizer") or {}
+    )
+    for key in ("name", "state_dtype"):
+        if saved_opt.get(key) != getattr(cfg.optimizer, key):
+            raise UserError(
+                f"checkpoint {directory}/{step} was trained with optimizer.{key} = {saved_opt.get(key)!r}, this "
+                f"run asks for {getattr(cfg.optimizer, key)!r}; its optimizer state cannot continue under another, so "
+                f"keep {saved_opt.get(key)!r}, or start from its parameters with --init-from and a new --run-dir"
+            )
     state, meta = restore(directory, step, trainer.abstract_state)
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)

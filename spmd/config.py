@@ -1,7 +1,7 @@
 """Run configuration: frozen dataclasses, loaded from `configs/<name>.toml` plus `--set` overrides.
 
-A config file has up to five tables, `[model]`, `[train]`, `[data]`, `[checkpoint]` and
-`[attention]`; keys it leaves out take the defaults below. `--set train.learning_rate=1e-3`
+A config file has up to six tables, `[model]`, `[train]`, `[data]`, `[checkpoint]`,
+`[attention]` and `[optimizer]`; keys it leaves out take the defaults below. `--set train.learning_rate=1e-3`
 overrides one key, parsed to the key's type.
 """
 
@@ -159,6 +159,29 @@ class DataConfig:
         return problems
 
 
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optax optimizer (spmd/train.py: make_optimizer). Learning rate, schedule, betas, eps,
+    weight decay and clipping stay in [train]."""
+
+    name: str = "adamw"  # adamw | adafactor | lion | sgd
+    state_dtype: str = "float32"  # first-moment dtype (adamw, lion, sgd momentum, adafactor momentum)
+    momentum: float = 0.9  # sgd's momentum (0: plain sgd)
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.name not in OPTIMIZERS:
+            problems.append(f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        if self.state_dtype not in ("float32", "bfloat16"):
+            problems.append(f"optimizer.state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
+        if not 0 <= self.momentum < 1:
+            problems.append(f"optimizer.momentum must be in [0, 1), got {self.momentum}")
+        return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end and on preemption)
@@ -204,6 +227,7 @@ class Config:
     train: TrainConfig
     data: DataConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
     attention: AttentionConfig = AttentionConfig()
 
     def to_json(self) -> dict:
@@ -215,6 +239,7 @@ SECTIONS = {
     "train": TrainConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "optimizer": OptimizerConfig,
     "attention": AttentionConfig,
 }
 

@@ -36,19 +36,30 @@ def lr_schedule(train_cfg) -> optax.Schedule:
     )
 
 
-def make_optimizer(train_cfg, decay_mask) -> optax.GradientTransformation:
-    """AdamW with warmup + cosine, global-norm clipping, and no decay where `decay_mask` is False."""
-    adamw = optax.adamw(
-        lr_schedule(train_cfg),
-        b1=train_cfg.beta1,
-        b2=train_cfg.beta2,
-        eps=train_cfg.eps,
-        weight_decay=train_cfg.weight_decay,
-        mask=decay_mask,
-    )
+def make_optimizer(train_cfg, opt_cfg, decay_mask) -> optax.GradientTransformation:
+    """optimizer.name with warmup + cosine, global-norm clipping, and no decay where `decay_mask`
+    is False. optimizer.state_dtype is the first moment's dtype (optax's mu_dtype); second
+    moments stay in the parameters' dtype."""
+    lr, dtype = lr_schedule(train_cfg), jnp.dtype(opt_cfg.state_dtype)
+    wd, mask = train_cfg.weight_decay, decay_mask
+    if opt_cfg.name == "adamw":
+        tx = optax.adamw(lr, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps, mu_dtype=dtype,
+                         weight_decay=wd, mask=mask)  # fmt: skip
+    elif opt_cfg.name == "lion":
+        tx = optax.lion(
+            lr, b1=train_cfg.beta1, b2=train_cfg.beta2, mu_dtype=dtype, weight_decay=wd, mask=mask
+        )
+    elif opt_cfg.name == "adafactor":
+        # Factored second moments (rows and columns of every matrix with both sides >= 128).
+        tx = optax.adafactor(lr, weight_decay_rate=wd or None, weight_decay_mask=mask, dtype_momentum=dtype)
+    else:  # sgd: decoupled weight decay, then momentum
+        momentum = opt_cfg.momentum or None
+        tx = optax.chain(
+            optax.add_decayed_weights(wd, mask), optax.sgd(lr, momentum=momentum, accumulator_dtype=dtype)
+        )
     if train_cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), tx)
+    return tx
 
 
 def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
@@ -146,17 +157,24 @@ class Trainer:
 def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
     tcfg = cfg.train
-    tx = make_optimizer(tcfg, decay_mask(plan))
+    tx = make_optimizer(tcfg, cfg.optimizer, decay_mask(plan))
     schedule = lr_schedule(tcfg)
 
     opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
     # The optimizer state follows its parameter's sharding, split further over the rules'
     # shard_optimizer_over axes (the sharded weight update); so does the update itself, below.
+    # State that is not shaped like its parameter (Adafactor's factored rows and columns) is
+    # replicated: it is small.
     opt_shardings = optax.tree_map_params(
         tx,
-        lambda leaf, sh: sharding_lib.update_sharding(rules, mesh, sh, leaf.shape),
+        lambda leaf, sh, p: (
+            sharding_lib.update_sharding(rules, mesh, sh, leaf.shape)
+            if leaf.shape == p.shape
+            else plan.replicated
+        ),
         opt_shapes,
         plan.param_shardings,
+        plan.abstract_params,
         transform_non_params=lambda _: plan.replicated,
     )
     update_shardings = jax.tree.map(
