@@ -105,12 +105,6 @@ class TokenStream:
             start, k = part_stop, k + 1
         return np.concatenate(pieces) if len(pieces) != 1 else np.asarray(pieces[0])
 
-    def min(self, initial=0) -> int:
-        return min(int(p.min(initial=initial)) for p in self.parts) if self.parts else initial
-
-    def max(self, initial=0) -> int:
-        return max(int(p.max(initial=initial)) for p in self.parts) if self.parts else initial
-
 
 def _read_text(path: pathlib.Path) -> np.ndarray:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]

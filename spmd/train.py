@@ -17,13 +17,14 @@ from spmd import context
 from spmd import sharding as sharding_lib
 
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
-PACKED_KEYS = ("segment_ids", "positions", "loss_mask")  # data.packing = segments (spmd/data.py)
 
 
 def batch_keys(cfg) -> tuple[str, ...]:
     """The (B, T) int32 arrays of a batch: inputs and targets, and with packed documents each
     token's segment id, position in its document, and whether its target counts."""
-    return ("inputs", "targets") + (PACKED_KEYS if cfg.data.packing == "segments" else ())
+    from spmd.data import PACKED_FIELDS
+
+    return PACKED_FIELDS if cfg.data.packing == "segments" else ("inputs", "targets")
 
 
 def lr_schedule(train_cfg) -> optax.Schedule:
