@@ -77,6 +77,6 @@ def lost_seconds(records: list[dict], after_step: int) -> float:
         step, step_time = r.get("step"), r.get("step_time")
         if isinstance(step, int) and isinstance(step_time, (int, float)):
             if step > after_step:
-                lost += step_time * (step - max(previous if previous is not None else after_step, after_step))
+                lost += step_time * (step - (after_step if previous is None else max(previous, after_step)))
             previous = step
     return lost

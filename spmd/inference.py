@@ -22,7 +22,7 @@ from spmd.errors import UserError
 from spmd.mesh import axes_size
 from spmd.rules import load_rules
 from spmd.setup import Setup, assemble
-from spmd.train import held_out_sums
+from spmd.train import held_out_by_source
 
 
 @dataclasses.dataclass
@@ -85,15 +85,8 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
 
 def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
     """Held-out cross-entropy (nats/token), perplexity and bits per byte (byte-level vocabularies)."""
-    sources = {}
-    if batches.val_sources:  # a mixture: each source's held-out batches, and all of them together
-        total, count = 0.0, 0.0
-        for name in batches.val_sources:
-            t, n = held_out_sums(loaded.setup.eval_step, loaded.params, batches, n_batches, name)
-            sources[name] = t / max(n, 1.0)
-            total, count = total + t, count + n
-    else:
-        total, count = held_out_sums(loaded.setup.eval_step, loaded.params, batches, n_batches)
+    # A mixture: each source's held-out batches, and all of them together.
+    total, count, sources = held_out_by_source(loaded.setup.eval_step, loaded.params, batches, n_batches)
     loss = total / max(count, 1.0)
     byte_level = loaded.cfg.model.vocab_size == 256 and not loaded.cfg.data.path.endswith((".npy", ".bin"))
     result = {

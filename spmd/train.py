@@ -335,14 +335,23 @@ def evaluate(trainer: Trainer, params, batches) -> float:
     return total / max(count, 1.0)
 
 
+def held_out_by_source(eval_step, params, batches, n_batches: int) -> tuple[float, float, dict[str, float]]:
+    """(summed cross-entropy, counted tokens, {source: mean loss}) over `n_batches` held-out
+    batches: of each source for a mixture (the sums over all of them), else of the one split."""
+    if not batches.val_sources:
+        return *held_out_sums(eval_step, params, batches, n_batches), {}
+    total, count, per_source = 0.0, 0.0, {}
+    for name in batches.val_sources:
+        t, n = held_out_sums(eval_step, params, batches, n_batches, name)
+        per_source[name] = t / max(n, 1.0)
+        total, count = total + t, count + n
+    return total, count, per_source
+
+
 def evaluate_all(trainer: Trainer, params, batches) -> dict[str, float]:
     """{"eval_loss": ...}; for a mixture, eval_loss/<name> per source over `eval_batches` batches
     of each, and eval_loss their mean per counted token."""
-    if not batches.val_sources:
-        return {"eval_loss": evaluate(trainer, params, batches)}
-    out, total, count = {}, 0.0, 0.0
-    for name in batches.val_sources:
-        t, n = held_out_sums(trainer.eval_step, params, batches, trainer.cfg.train.eval_batches, name)
-        out[f"eval_loss/{name}"] = t / max(n, 1.0)
-        total, count = total + t, count + n
-    return {"eval_loss": total / max(count, 1.0), **out}
+    total, count, per_source = held_out_by_source(
+        trainer.eval_step, params, batches, trainer.cfg.train.eval_batches
+    )
+    return {"eval_loss": total / max(count, 1.0), **{f"eval_loss/{k}": v for k, v in per_source.items()}}
