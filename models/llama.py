@@ -26,6 +26,9 @@ REMAT_POLICIES = {
     # Matmuls without batch axes: the projections (flattened to 2-D by `project`), not the
     # attention scores, which are batched over (B, K) and would cost O(T^2) to keep.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The same residuals, moved to host memory after the forward and back for the backward
+    # (needs a backend that moves data between memories inside a program: spmd/memory.py).
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 # The only activations we constrain: the residual stream and the logits. Everything else the
@@ -72,7 +75,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # parameters and optimizer state
-    remat: str = "none"  # none | full | save_dots
+    remat: str = "none"  # none | full | save_dots | offload_dots
     scan_unroll: int = 1  # layers per scan iteration (n_layers: fully unrolled; faster, longer compile)
     attention_impl: str = "xla"
     init_std: float = 0.02

@@ -150,6 +150,8 @@ def _array_checksum(x) -> jax.Array:
     """Two 32-bit lanes: the wrapping sum over elements of a hash of (bits, flat position). A sum
     does not depend on how the array is split, so the figure is the same on every mesh, device and
     process count, computed where the shards live (one all-reduce of 8 bytes)."""
+    # Host-offloaded state (optimizer.offload) is hashed on the device, like the rest.
+    x = jax.device_put(x, jax.memory.Space.Device)
     if x.dtype.itemsize == 4:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     elif x.dtype.itemsize == 2:

@@ -159,7 +159,7 @@ class DataConfig:
         return problems
 
 
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +167,12 @@ class OptimizerConfig:
     """Which optax optimizer (spmd/train.py: make_optimizer). Learning rate, schedule, betas, eps,
     weight decay and clipping stay in [train]."""
 
-    name: str = "adamw"  # adamw | adafactor | lion | sgd
-    state_dtype: str = "float32"  # first-moment dtype (adamw, lion, sgd momentum, adafactor momentum)
+    name: str = "adamw"  # adamw | adafactor | lion | muon | sgd
+    state_dtype: str = "float32"  # first-moment dtype (adamw, lion, muon, sgd momentum, adafactor momentum)
     momentum: float = 0.9  # sgd's momentum (0: plain sgd)
+    # Keep the optimizer state in host memory (memory kind pinned_host) between steps; the step
+    # streams it to the device for the update and back. Needs a backend with host memory kinds.
+    offload: bool = False
 
     def check(self) -> list[str]:
         problems = []

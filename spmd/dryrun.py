@@ -98,16 +98,20 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     return out
 
 
-def peak_bytes(mem) -> int:
-    """A compiled step's peak bytes per device from its memory_analysis(): arguments + outputs -
-    aliased (donated state counted once) + temporaries. XLA:CPU's own `peak_memory_in_bytes`
-    leaves the temporaries out (llama-70b on fsdp=32,tensor=8: 3.10 GiB against 205 GiB of
-    temporaries), so it is not used."""
+def peak_bytes(mem, host: int = 0) -> int:
+    """A compiled step's peak device bytes per device from its memory_analysis(): arguments +
+    outputs - aliased (donated state counted once) + temporaries, less `host`, the bytes of
+    donated state kept in host memory, where the backend counts them with the device's (XLA:CPU
+    reports no host figures; TPU and GPU compilers report them apart). XLA:CPU's own
+    `peak_memory_in_bytes` leaves the temporaries out (llama-70b on fsdp=32,tensor=8: 3.10 GiB
+    against 205 GiB of temporaries), so it is not used."""
+    split = mem.host_argument_size_in_bytes or mem.host_output_size_in_bytes
     return (
         mem.argument_size_in_bytes
         + mem.output_size_in_bytes
         - mem.alias_size_in_bytes
         + mem.temp_size_in_bytes
+        - (0 if split else host)
     )
 
 
@@ -116,7 +120,6 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
     from models.llama import flops_per_token
     from spmd import hlo
-    from spmd import sharding as sharding_lib
 
     cfg, mesh, rules, plan, trainer = setup.cfg, setup.mesh, setup.rules, setup.plan, setup.trainer
     B, T = cfg.train.global_batch_size, cfg.train.seq_len
@@ -144,7 +147,8 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
             }
         )
     minimum = analytic_minimum(cfg, plan)
-    opt_bytes = sharding_lib.tree_bytes_per_device(trainer.abstract_state["opt_state"])
+    state = trainer.state_bytes()
+    host = state["optimizer_state_on_host"]
     flops = flops_per_token(cfg.model, T) * B * T
     return {
         "config": cfg.name,
@@ -153,15 +157,17 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
         "devices": mesh.size,
         "compile_seconds": compile_s,
         "per_device_bytes": {
-            "params": plan.param_bytes_per_device,
-            "optimizer_state": opt_bytes,
-            "gradients": plan.param_bytes_per_device,
+            "params": state["params"],
+            "optimizer_state": state["optimizer_state"],
+            "gradients": state["gradients"],
             "arguments": mem.argument_size_in_bytes,
             "outputs": mem.output_size_in_bytes,
             "temporaries": mem.temp_size_in_bytes,
             "aliased": mem.alias_size_in_bytes,
-            "peak": peak_bytes(mem),
+            "peak": peak_bytes(mem, host),  # device memory
+            "host": max(host, mem.host_argument_size_in_bytes + mem.host_temp_size_in_bytes),
         },
+        "optimizer_state_by_kind": state["optimizer_state_by_kind"],
         "model_flops_per_step": flops,
         "model_flops_per_device": flops / mesh.size,
         "collectives": rows,

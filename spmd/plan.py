@@ -170,7 +170,7 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
            max_compiles: int | None = None) -> Search:  # fmt: skip
     """Steps 1-4 of the module doc for `cfg` on `devices` devices with `budget` bytes each."""
     from spmd.dryrun import dry_run
-    from spmd.sharding import fmt_bytes, tree_bytes_per_device
+    from spmd.sharding import fmt_bytes
 
     max_compiles = max_compiles if max_compiles is not None else 4 * candidates
     if min(devices, dcn, candidates, max_compiles) < 1:
@@ -182,8 +182,9 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
         if setup is None:
             rejected.append((spec, preset, reason))
             continue
-        static = 2 * setup.plan.param_bytes_per_device + tree_bytes_per_device(
-            setup.trainer.abstract_state["opt_state"]
+        held = setup.trainer.state_bytes()
+        static = (
+            held["params"] + held["gradients"] + held["optimizer_state"] - held["optimizer_state_on_host"]
         )
         if static > budget:
             why = f"params + grads + optimizer state {fmt_bytes(static)} per device > budget {fmt_bytes(budget)}"

@@ -22,6 +22,7 @@ import jax
 
 from models import attention
 from models.llama import Decoder
+from spmd import memory
 from spmd import sharding as sharding_lib
 from spmd.config import Config, apply_overrides, load_config
 from spmd.errors import UserError
@@ -95,6 +96,7 @@ def assemble(
     except ValueError as e:
         raise UserError(str(e)) from None
     device_mesh = build_mesh(mesh, dcn_mesh, devices)
+    memory.check(cfg, device_mesh)
     resolved = (load_rules(rules) if isinstance(rules, str) else rules).with_attention(cfg.attention)
     if decoding:
         resolved = resolved.for_decoding()

@@ -223,6 +223,30 @@ def update_sharding(rules, mesh, sharding: NamedSharding, shape: tuple[int, ...]
     return sharding
 
 
+def like_params(state, params, f, default):
+    """Map each leaf of `state` (an optimizer state) to f(leaf, its parameter), or to `default`
+    where no parameter matches. A leaf's parameter is the one whose path (dict keys) ends the
+    leaf's path: optax states hold trees shaped like the parameters under wrappers (chain, masks,
+    partitions such as Muon's), possibly with some parameters left out, which
+    `optax.tree_map_params` cannot map."""
+    by_path = {tuple(k.key for k in path): p for path, p in jax.tree_util.tree_flatten_with_path(params)[0]}
+    longest = max(map(len, by_path), default=0)
+
+    def one(path, leaf):
+        keys = []
+        for k in reversed(path):  # the trailing run of dict keys
+            if not isinstance(k, jax.tree_util.DictKey):
+                break
+            keys.insert(0, k.key)
+        for n in range(min(len(keys), longest), 0, -1):
+            p = by_path.get(tuple(keys[-n:]))
+            if p is not None:
+                return f(leaf, p)
+        return default
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
 def tree_bytes_per_device(abstract_tree) -> int:
     """Bytes each device holds of a tree of ShapeDtypeStructs with shardings (the most loaded device)."""
     total = 0

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import context
+from spmd import context, memory
 from spmd import sharding as sharding_lib
 
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
@@ -37,13 +37,30 @@ def lr_schedule(train_cfg) -> optax.Schedule:
     )
 
 
-def make_optimizer(train_cfg, opt_cfg, decay_mask) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, opt_cfg, decay_mask, matrix_dims=None) -> optax.GradientTransformation:
     """optimizer.name with warmup + cosine, global-norm clipping, and no decay where `decay_mask`
     is False. optimizer.state_dtype is the first moment's dtype (optax's mu_dtype); second
-    moments stay in the parameters' dtype."""
+    moments stay in the parameters' dtype. `matrix_dims` (muon): see `matrix_dims`."""
     lr, dtype = lr_schedule(train_cfg), jnp.dtype(opt_cfg.state_dtype)
     wd, mask = train_cfg.weight_decay, decay_mask
-    if opt_cfg.name == "adamw":
+    if opt_cfg.name == "muon":
+        # optax.contrib.muon: Newton-Schulz-orthogonalised momentum for the weight matrices
+        # (`matrix_dims`), AdamW for the rest (embeddings, output head, norm scales), as Muon's
+        # authors train. consistent_rms=0.2 scales each matrix's update to AdamW's RMS
+        # (Moonlight's recipe), so train.learning_rate means the same for both groups. Its
+        # learning rate is -1 and the decay and schedule follow, as in optax.adamw, because
+        # optax.contrib.muon's own AdamW group decays every parameter (norm scales too).
+        muon = optax.contrib.muon(
+            -1.0,
+            mu_dtype=dtype,
+            adam_b1=train_cfg.beta1,
+            adam_b2=train_cfg.beta2,
+            eps=train_cfg.eps,
+            muon_weight_dimension_numbers=matrix_dims,
+            consistent_rms=0.2,
+        )
+        tx = optax.chain(muon, optax.add_decayed_weights(wd, mask), optax.scale_by_learning_rate(lr))
+    elif opt_cfg.name == "adamw":
         tx = optax.adamw(lr, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps, mu_dtype=dtype,
                          weight_decay=wd, mask=mask)  # fmt: skip
     elif opt_cfg.name == "lion":
@@ -61,6 +78,38 @@ def make_optimizer(train_cfg, opt_cfg, decay_mask) -> optax.GradientTransformati
     if train_cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), tx)
     return tx
+
+
+# Logical axes that index independent matrices of one parameter (stacked layers, experts), not
+# its rows or columns.
+MATRIX_BATCH_AXES = ("layers", "expert")
+
+
+def matrix_dims(plan: sharding_lib.ShardingPlan) -> dict:
+    """Per parameter, how Muon sees it as matrices (optax.contrib.MuonDimensionNumbers), or None
+    for AdamW, read from its logical axes: leading `layers`/`expert` axes index separate matrices;
+    a projection from `embed` (q, k, v, gate, up, router) reduces over it and outputs the rest; a
+    projection to `embed` (o, down) reduces over the rest. Embedding and output head (`vocab`),
+    norm scales and anything else stay with AdamW."""
+    by_path = {i.path: i for i in plan.params}
+
+    def dims(path, _):
+        logical = by_path[sharding_lib.path_str(path)].logical
+        lead = 0
+        while lead < len(logical) and logical[lead] in MATRIX_BATCH_AXES:
+            lead += 1
+        rest = range(lead, len(logical))
+        if "vocab" in logical or len(rest) < 2:
+            return None
+        if logical[lead] == "embed":
+            return optax.contrib.MuonDimensionNumbers(reduction_axis=(lead,), output_axis=tuple(rest)[1:])
+        if logical[-1] == "embed":
+            return optax.contrib.MuonDimensionNumbers(
+                reduction_axis=tuple(rest)[:-1], output_axis=(rest[-1],)
+            )
+        return None
+
+    return jax.tree_util.tree_map_with_path(dims, plan.abstract_params)
 
 
 def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
@@ -134,6 +183,7 @@ class Trainer:
     plan: sharding_lib.ShardingPlan
     tx: optax.GradientTransformation
     state_shardings: dict
+    update_shardings: dict  # where gradients are reduced to and the update runs (params' shape)
     train_step: object  # jitted (state, batch) -> (state, metrics)
     eval_step: object  # jitted (params, batch) -> (ce_sum, count)
     init_state: object  # jitted () -> state
@@ -148,6 +198,28 @@ class Trainer:
             self.state_shardings,
         )
 
+    def state_bytes(self) -> dict:
+        """Per device (the most loaded one): parameters, gradients (as the update consumes them:
+        split like the update under a sharded weight update), the optimizer state in all, and the
+        optimizer state by "dtype memory-kind" (e.g. "bfloat16 pinned_host")."""
+        opt = self.abstract_state["opt_state"]
+        by = {}
+        for x in jax.tree.leaves(opt):
+            key = f"{jnp.dtype(x.dtype).name} {x.sharding.memory_kind or 'device'}"
+            by[key] = by.get(key, 0) + sharding_lib.tree_bytes_per_device(x)
+        grads = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+            self.plan.abstract_params,
+            self.update_shardings,
+        )
+        return {
+            "params": self.plan.param_bytes_per_device,
+            "gradients": sharding_lib.tree_bytes_per_device(grads),
+            "optimizer_state": sum(by.values()),
+            "optimizer_state_on_host": sum(v for k, v in by.items() if k.endswith(memory.HOST)),
+            "optimizer_state_by_kind": dict(sorted(by.items())),
+        }
+
     def abstract_batch(self, batch: int, seq_len: int) -> Batch:
         return {
             name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
@@ -158,32 +230,38 @@ class Trainer:
 def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
     tcfg = cfg.train
-    tx = make_optimizer(tcfg, cfg.optimizer, decay_mask(plan))
+    tx = make_optimizer(tcfg, cfg.optimizer, decay_mask(plan), matrix_dims(plan))
     schedule = lr_schedule(tcfg)
 
     opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
     # The optimizer state follows its parameter's sharding, split further over the rules'
     # shard_optimizer_over axes (the sharded weight update); so does the update itself, below.
-    # State that is not shaped like its parameter (Adafactor's factored rows and columns) is
-    # replicated: it is small.
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda leaf, sh, p: (
-            sharding_lib.update_sharding(rules, mesh, sh, leaf.shape)
+    # State that is not shaped like its parameter (Adafactor's factored rows and columns, step
+    # counters) is replicated: it is small.
+    opt_shardings = sharding_lib.like_params(
+        opt_shapes,
+        plan.abstract_params,
+        lambda leaf, p: (
+            sharding_lib.update_sharding(rules, mesh, p.sharding, leaf.shape)
             if leaf.shape == p.shape
             else plan.replicated
         ),
-        opt_shapes,
-        plan.param_shardings,
-        plan.abstract_params,
-        transform_non_params=lambda _: plan.replicated,
+        plan.replicated,
     )
     update_shardings = jax.tree.map(
         lambda x, sh: sharding_lib.update_sharding(rules, mesh, sh, x.shape),
         plan.abstract_params,
         plan.param_shardings,
     )
-    state_shardings = {"params": plan.param_shardings, "opt_state": opt_shardings, "step": plan.replicated}
+    # optimizer.offload: the state lives in host memory between steps and is streamed to the
+    # device for the update (the moves are XLA's, from the memory kinds; spmd/memory.py).
+    offload = cfg.optimizer.offload
+    stored_opt_shardings = memory.host_shardings(opt_shardings) if offload else opt_shardings
+    state_shardings = {
+        "params": plan.param_shardings,
+        "opt_state": stored_opt_shardings,
+        "step": plan.replicated,
+    }
 
     def init():
         params = plan.init_params(tcfg.seed)
@@ -242,7 +320,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
         # one); the updated parameters are gathered back to their own sharding by out_shardings.
         grads = jax.lax.with_sharding_constraint(grads, update_shardings)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        old_opt_state = jax.device_put(state["opt_state"], opt_shardings) if offload else state["opt_state"]
+        updates, opt_state = tx.update(grads, old_opt_state, state["params"])
         updates = jax.lax.with_sharding_constraint(updates, update_shardings)
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
@@ -252,7 +331,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state),
-            (state["params"], state["opt_state"]),
+            (state["params"], old_opt_state),
         )
         metrics = {
             "loss": ce_sum / count,
@@ -282,6 +361,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         plan=plan,
         tx=tx,
         state_shardings=state_shardings,
+        update_shardings=update_shardings,
         train_step=jax.jit(
             train_step,
             in_shardings=(state_shardings, batch_shardings),

@@ -1,6 +1,7 @@
-"""optimizer.name (adamw, adafactor, lion, sgd) and optimizer.state_dtype: each trains under
-fsdp_tp on 8 devices as on one, the dry-run counts its state, and a checkpoint keeps its
-optimizer: it restores onto another mesh, and resuming it under another optimizer is an error."""
+"""optimizer.name (adamw, adafactor, lion, muon, sgd), optimizer.state_dtype and
+optimizer.offload: each trains under fsdp_tp on 8 devices as on one, the dry-run counts its
+state (by dtype and memory kind), and a checkpoint keeps its optimizer: it restores onto another
+mesh, and resuming it under another optimizer is an error."""
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ CASES = {
     "adafactor": ["optimizer.name=adafactor"],
     "lion": ["optimizer.name=lion", "train.learning_rate=3e-4"],  # Lion's updates are sign(.) x lr
     "sgd": ["optimizer.name=sgd"],
+    "muon": ["optimizer.name=muon"],
     "adamw-bf16": ["optimizer.state_dtype=bfloat16"],
 }
 
@@ -67,3 +69,95 @@ def test_a_checkpoint_keeps_its_optimizer(devices, tmp_path):
     adamw = assemble("tiny", "fsdp=8", "fsdp", devices=devices)
     with pytest.raises(UserError, match="trained with optimizer.name = 'lion', this run asks for 'adamw'"):
         ckpt.resume_or_init(adamw.trainer, adamw.batches(), tmp_path)
+
+
+def test_muon_orthogonalises_a_split_matrix_as_the_whole_matrix(devices):
+    """Newton-Schulz on (layers, embed, mlp) momentum split over fsdp and tensor: GSPMD runs the
+    iteration's matmuls on the shards (with collectives) and must give the unsharded result."""
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    auto = jax.sharding.AxisType.Auto  # GSPMD decides the collectives, as in training
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(auto, auto), devices=devices)
+    split = NamedSharding(mesh, PartitionSpec(None, "fsdp", "tensor"))
+    dims = optax.contrib.MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
+    tx = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal((2, 64, 192)).astype(np.float32) for _ in range(2)]
+
+    def two_steps(sharding):
+        put = (lambda x: jax.device_put(x, sharding)) if sharding else jax.numpy.asarray
+        step = jax.jit(tx.update)
+        state, out = tx.init(put(grads[0])), []
+        for g in grads:
+            update, state = step(put(g), state)
+            out.append(update)
+        return out
+
+    whole = two_steps(None)
+    sharded = two_steps(split)
+    assert sharded[0].sharding.spec == split.spec  # it really ran on the shards
+    hlo = jax.jit(tx.update).lower(jax.device_put(grads[0], split), tx.init(jax.device_put(grads[0], split)))
+    assert "all-reduce" in hlo.compile().as_text()  # the shards' partial products are summed
+    for a, b in zip(sharded, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # And the update is orthogonalised: singular values of each matrix near 1 (Muon's quintic
+    # iteration puts them in roughly [0.7, 1.2]), not the gradient's.
+    s = np.linalg.svd(np.asarray(whole[0])[0], compute_uv=False)
+    assert 0.5 < s.min() and s.max() < 1.3
+
+
+def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(devices, tmp_path):
+    """optimizer.offload on fsdp_tp: the state is pinned_host arrays, the compiled step takes and
+    returns it in host memory space (S(5) in XLA's entry layout), training is bit-identical, the
+    dry-run moves its bytes from the device peak to `host`, and its checkpoint restores onto a
+    mesh without offload."""
+    from spmd import dryrun
+
+    plain = assemble("tiny", "fsdp=4,tensor=2", "fsdp_tp", devices=devices)
+    off = assemble(
+        "tiny", "fsdp=4,tensor=2", "fsdp_tp", overrides=["optimizer.offload=true"], devices=devices
+    )
+    batches = plain.batches()
+    a, b = plain.trainer.init_state(), off.trainer.init_state()
+    for step in range(2):
+        a, _ = plain.trainer.train_step(a, batches.train_batch(step))
+        b, _ = off.trainer.train_step(b, batches.train_batch(step))
+    opt_leaves = jax.tree.leaves(b["opt_state"])
+    assert {x.sharding.memory_kind for x in opt_leaves} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(b["params"])} == {"device"}
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    compiled = off.trainer.train_step.lower(
+        off.trainer.abstract_state, off.trainer.abstract_batch(8, 64)
+    ).compile()
+    layout = compiled.as_text().split("entry_computation_layout={", 1)[1].split("\n", 1)[0]
+    args, results = layout.split(")->", 1)
+    assert args.count("S(5)") == len(opt_leaves) and results.count("S(5)") == len(opt_leaves)
+
+    r_plain, r_off = dryrun.dry_run(plain)["per_device_bytes"], dryrun.dry_run(off)
+    host = r_off["per_device_bytes"]["host"]
+    assert host == r_plain["optimizer_state"] > 0 and r_plain["host"] == 0
+    assert r_off["per_device_bytes"]["peak"] == r_plain["peak"] - host
+    assert set(r_off["optimizer_state_by_kind"]) == {"float32 pinned_host", "int32 pinned_host"}
+
+    writer = ckpt.Checkpointer(tmp_path, off.cfg.checkpoint)
+    writer.save(2, b, ckpt.step_meta(2, batches, off.cfg.train, off.to_json()))
+    writer.close()
+    other = assemble("tiny", "fsdp=8", "fsdp", devices=devices)
+    start = ckpt.resume_or_init(other.trainer, other.batches(), tmp_path)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(start.state["opt_state"])} == {"device"}
+    for x, y in zip(jax.tree.leaves(start.state), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_remat_offload_is_an_error_where_programs_cannot_move_data_to_the_host(devices):
+    """XLA:CPU has host memory for arrays but JAX lowers a move to it inside a program only for
+    TPU and GPU: model.remat = offload_dots would silently keep the residuals on the device."""
+    from spmd import memory
+
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=devices)
+    assert memory.host_memory_kinds(mesh) and not memory.moves_inside_programs(mesh)
+    with pytest.raises(UserError, match="model.remat = offload_dots needs a backend that moves activations"):
+        assemble("tiny", "fsdp=8", "fsdp", overrides=["model.remat=offload_dots"], devices=devices)

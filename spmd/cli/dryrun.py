@@ -50,12 +50,17 @@ def print_report(r: dict) -> None:
     print(
         f"{r['config']} on {mesh} ({r['devices']} devices), rules {r['rules']}: compiled in {r['compile_seconds']:.1f}s\n"
     )
+    notes = {
+        "peak": "  device memory: arguments + outputs - aliased + temporaries - host",
+        "host": "  host memory (pinned_host): offloaded optimizer state, host temporaries",
+        "gradients": "  as the update takes them",
+    }
     print("per device:")
     for k, v in r["per_device_bytes"].items():
-        print(
-            f"  {k:<16} {fmt_bytes(v):>12}"
-            + ("  (arguments + outputs - aliased + temporaries)" if k == "peak" else "")
-        )
+        print(f"  {k:<16} {fmt_bytes(v):>12}{notes.get(k, '')}")
+        if k == "optimizer_state":
+            for kind, n in r["optimizer_state_by_kind"].items():
+                print(f"    {kind:<22} {fmt_bytes(n):>12}")
     print(
         f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
         f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
