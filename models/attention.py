@@ -115,14 +115,15 @@ CHOICES = (*ATTENTION_IMPLS, "auto")
 
 
 def resolve(name: str, seq_len: int, platform: str | None = None) -> str:
-    """The implementation `name` runs as: `auto` is pallas on GPU/TPU, else chunked from
-    CHUNKED_FROM positions and xla below. Raises ValueError where the choice cannot run."""
+    """The implementation `name` runs as: `auto` is pallas on GPU, chunked on TPU, else chunked
+    from CHUNKED_FROM positions and xla below. Raises ValueError where the choice cannot run."""
     platform = platform or jax.devices()[0].platform
     if name == "auto":
+        # TPU: chunked until the flash kernel has a Mosaic (TPU) lowering; pallas is Triton here.
         return (
             "pallas"
-            if platform in ("gpu", "cuda", "rocm", "tpu")
-            else ("chunked" if seq_len >= CHUNKED_FROM else "xla")
+            if platform in ("gpu", "cuda", "rocm")
+            else ("chunked" if platform == "tpu" or seq_len >= CHUNKED_FROM else "xla")
         )
     if name == "pallas" and platform == "tpu":
         raise ValueError(

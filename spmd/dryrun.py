@@ -12,9 +12,11 @@ that), so the two forms are comparable.
 
 import time
 
+import jax
 import numpy as np
 
-from spmd.mesh import axes_size, spec_axes
+from spmd.errors import UserError
+from spmd.mesh import axes_size, format_mesh, spec_axes
 
 
 def ring_volume(kind: str, result_bytes: int, group: int) -> float:
@@ -98,6 +100,10 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     return out
 
 
+class DoesNotFit(UserError):
+    """The compiler refused the step: it cannot fit the device's memory."""
+
+
 def peak_bytes(mem, host: int = 0) -> int:
     """A compiled step's peak device bytes per device from its memory_analysis(): arguments +
     outputs - aliased (donated state counted once) + temporaries, less `host`, the bytes of
@@ -115,6 +121,46 @@ def peak_bytes(mem, host: int = 0) -> int:
     )
 
 
+def volume_by_axis(rows) -> dict[str, float]:
+    """Bytes sent per mesh axis from dry_run's collective rows (a collective over several axes
+    counted evenly against each; "-" for none)."""
+    by_axis = {}
+    for row in rows:
+        for axis in row["axes"] or ["-"]:
+            by_axis[axis] = by_axis.get(axis, 0.0) + row["volume_bytes"] / max(1, len(row["axes"]))
+    return by_axis
+
+
+def chip_estimate(setup, rows, flops: float, peak: int, slices: int = 1) -> dict | None:
+    """For TPU devices (spmd.topology): the chip, its HBM per device against the compiled peak,
+    and a roofline step time from its datasheet (compute at peak plus each axis's compiled bytes
+    over ICI, or DCN for the axes that span slices); None for other devices."""
+    from spmd import hardware
+    from spmd.plan import estimate
+
+    device = setup.mesh.devices.flat[0]
+    if device.platform != "tpu":
+        return None
+    name, chip = hardware.chip_for(device.device_kind)
+    cores = 1 + max(getattr(d, "core_on_chip", 0) for d in setup.mesh.devices.flat)
+    hbm = chip.hbm_bytes / cores
+    hw = {
+        "peak": chip.peak_flops / cores,
+        "ici": chip.ici_bytes_per_s / cores,
+        "dcn": chip.dcn_bytes_per_s / cores,
+    }
+    est = estimate(setup.cfg, setup.plan, hw, slices, volume_by_axis(rows))
+    return {
+        "chip": name,
+        "device_kind": device.device_kind,
+        "hbm_per_device": hbm,
+        "fits": peak <= hbm,
+        **est,
+        "mfu": flops / setup.mesh.size / hw["peak"] / est["step_s"],
+        "hardware": hw,
+    }
+
+
 def dry_run(setup, list_instructions: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
@@ -126,7 +172,19 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
     state = trainer.abstract_state
     batch = trainer.abstract_batch(B, T)
     t0 = time.perf_counter()
-    compiled = trainer.train_step.lower(state, batch).compile()
+    lowered = trainer.train_step.lower(state, batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        # The TPU compiler refuses a program that cannot fit the chip's memory (XLA:CPU never does).
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        detail = str(e).split("CompileTimeHbmOom: ")[-1].split(" HLO module")[0].strip().rstrip(".")
+        raise DoesNotFit(
+            f"{cfg.name} on {format_mesh(dict(mesh.shape))} with rules {rules.name} does not fit "
+            f"{mesh.devices.flat[0].device_kind}: {detail}; more devices, fsdp, train.microbatches=N "
+            "or model.remat=full would help"
+        ) from None
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     items = hlo.collectives(compiled.as_text(), mesh)
@@ -150,8 +208,13 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
     state = trainer.state_bytes()
     host = state["optimizer_state_on_host"]
     flops = flops_per_token(cfg.model, T) * B * T
+    slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
+    peak = peak_bytes(mem, host)
     return {
         "config": cfg.name,
+        "platform": mesh.devices.flat[0].platform,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "chip_estimate": chip_estimate(setup, rows, flops, peak, slices),
         "mesh": {a: s for a, s in sizes.items()},
         "rules": rules.name,
         "devices": mesh.size,
@@ -164,7 +227,7 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
             "outputs": mem.output_size_in_bytes,
             "temporaries": mem.temp_size_in_bytes,
             "aliased": mem.alias_size_in_bytes,
-            "peak": peak_bytes(mem, host),  # device memory
+            "peak": peak,  # device memory
             "host": max(host, mem.host_argument_size_in_bytes + mem.host_temp_size_in_bytes),
         },
         "optimizer_state_by_kind": state["optimizer_state_by_kind"],

@@ -15,6 +15,7 @@ class Chip:
     peak_flops: float  # dense bf16, per device
     ici_bytes_per_s: float | None = None  # fast links inside a host or slice
     dcn_bytes_per_s: float | None = None  # links between hosts or slices
+    hbm_bytes: float | None = None  # memory per chip
 
 
 CHIPS = {
@@ -23,10 +24,14 @@ CHIPS = {
     "h800": Chip(("H800",), 989e12),
     "a100": Chip(("A100",), 312e12, 300e9, 25e9),
     "l4": Chip(("L4",), 121e12),
-    "tpu-v4": Chip(("TPU v4",), 275e12),
-    "tpu-v5e": Chip(("TPU v5 lite", "TPU v5e"), 197e12),
-    "tpu-v5p": Chip(("TPU v5p",), 459e12, 400e9, 25e9),
-    "tpu-v6e": Chip(("TPU v6 lite", "TPU v6e"), 918e12),
+    # TPU datasheets (cloud.google.com/tpu/docs/v5e, v5p, v6e): HBM per chip; ICI one direction
+    # per chip is half the bidirectional figure (v5e 400 GB/s, v6e 800 GB/s). v4's ICI figure is
+    # not from its page (not at hand here): an estimate between v5e's and v5p's.
+    "tpu-v4": Chip(("TPU v4",), 275e12, 300e9, 25e9, 32 * 2**30),
+    "tpu-v5e": Chip(("TPU v5 lite", "TPU v5e"), 197e12, 200e9, 25e9, 16 * 2**30),
+    # libtpu's compile-only v5p devices say just "TPU v5" (matched after "TPU v5 lite" above).
+    "tpu-v5p": Chip(("TPU v5p", "TPU v5"), 459e12, 400e9, 25e9, 95 * 2**30),
+    "tpu-v6e": Chip(("TPU v6 lite", "TPU v6e"), 918e12, 400e9, 25e9, 32 * 2**30),
     # Not a datasheet: a CPU host stands in for a device in dry-runs; MFU measures it instead.
     "cpu": Chip(("cpu",), 0.4e12, 10e9, 1e9),
 }

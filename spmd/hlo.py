@@ -1,7 +1,8 @@
 """Collectives in optimised HLO text: kind, mesh axes, bytes, and how often each runs per step.
 
 XLA's cost analysis counts a while-loop body once; here each instruction is weighted by the trip
-counts of every loop around it (`known_trip_count` in the loop's backend config), so a collective
+counts of every loop around it (`known_trip_count` in the loop's backend config, or on the TPU
+compiler's HLO, which has none, the bound its condition compares the counter with), so a collective
 inside the scan over layers counts n_layers times.
 """
 
@@ -71,6 +72,18 @@ def _computations(text: str):
     return comps, entry
 
 
+def _trips_from_condition(lines) -> int:
+    """A loop's trip count from its condition where the backend config has none (the TPU
+    compiler's HLO): `ROOT compare(counter, constant(N)), direction=LT`, the counter of a JAX scan
+    or fori_loop starting at 0, runs N times. Anything else counts once."""
+    constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(lines)))
+    for line in lines:
+        m = re.search(r"ROOT %\S+ = pred\[\]\S* compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", line)
+        if m and m.group(1) in constants:
+            return int(constants[m.group(1)])
+    return 1
+
+
 def _multipliers(comps, entry) -> dict[str, int]:
     """How many times each computation runs per execution of the entry computation."""
     mult = collections.defaultdict(int)
@@ -87,7 +100,12 @@ def _multipliers(comps, entry) -> dict[str, int]:
             trips = 1
             if op == "while":
                 t = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-                trips = int(t.group(1)) if t else 1
+                cond = re.search(r"\bcondition=%([\w.\-]+)", rest)
+                trips = (
+                    int(t.group(1))
+                    if t
+                    else _trips_from_condition(comps.get(cond.group(1), []) if cond else [])
+                )
             for attr, callee in re.findall(
                 r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest
             ):
@@ -173,7 +191,12 @@ def collectives(text: str, mesh) -> list[Collective]:
                 groups = _groups(rest) or []
             axes = _axes_of(groups, coords, names) if groups else ()
             trips = mult[comp]
-            out.append(Collective(kind, axes, shape_bytes(shape), trips, comp, trips, m.group(1)))
+            nbytes = shape_bytes(shape)
+            if kind == "all-reduce" and comp.startswith("all-reduce-scatter") and groups:
+                # The TPU compiler's reduce-scatter: a fusion of an all-reduce and the slice each
+                # device keeps, run as one reduce-scatter; its result is that slice.
+                kind, nbytes = "reduce-scatter", nbytes // len(groups[0])
+            out.append(Collective(kind, axes, nbytes, trips, comp, trips, m.group(1)))
     return out
 
 

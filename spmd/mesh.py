@@ -105,10 +105,17 @@ def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:
         shape = tuple(sizes[a] for a in MESH_AXES)
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     else:
-        n_processes = len({d.process_index for d in devices})
-        dcn = resolve_sizes(parse_mesh(dcn_mesh, "--dcn-mesh"), n_processes, "--dcn-mesh")
-        ici = resolve_sizes(parse_mesh(mesh), len(devices) // n_processes, "--mesh")
+        # The DCN granules: TPU slices where the devices span several (spmd.topology's
+        # --num-slices), else processes.
+        slices = {getattr(d, "slice_index", 0) for d in devices}
+        by_slice = len(slices) > 1
+        n_granules = len(slices) if by_slice else len({d.process_index for d in devices})
+        dcn = resolve_sizes(parse_mesh(dcn_mesh, "--dcn-mesh"), n_granules, "--dcn-mesh")
+        ici = resolve_sizes(parse_mesh(mesh), len(devices) // n_granules, "--mesh")
         grid = mesh_utils.create_hybrid_device_mesh(
-            [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices=devices, process_is_granule=True
+            [ici[a] for a in MESH_AXES],
+            [dcn[a] for a in MESH_AXES],
+            devices=devices,
+            process_is_granule=not by_slice,
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -109,9 +109,9 @@ def search_axes(cfg, text: str | None) -> tuple[str, ...]:
     return tuple(a for a in MESH_AXES if a in wanted)
 
 
-def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
+def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor"), devices=None):
     """(mesh spec, preset, Setup or None, reason if rejected) for every mesh x preset that covers
-    its axes."""
+    its axes, over `devices` (default: JAX's)."""
     from spmd.rules import load_rules
     from spmd.setup import assemble
 
@@ -123,7 +123,7 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor")):
             if not used <= preset_axes or not REQUIRED[preset] <= used:
                 continue
             try:
-                yield spec, preset, assemble(cfg, spec, rules[preset]), None
+                yield spec, preset, assemble(cfg, spec, rules[preset], devices=devices), None
             except UserError as e:
                 yield spec, preset, None, str(e)
 
@@ -167,9 +167,10 @@ class Search:
 
 
 def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, candidates: int = 6,
-           max_compiles: int | None = None) -> Search:  # fmt: skip
-    """Steps 1-4 of the module doc for `cfg` on `devices` devices with `budget` bytes each."""
-    from spmd.dryrun import dry_run
+           max_compiles: int | None = None, device_list=None) -> Search:  # fmt: skip
+    """Steps 1-4 of the module doc for `cfg` on `devices` devices with `budget` bytes each
+    (`device_list`: compile for these, e.g. a TPU topology's, instead of JAX's own)."""
+    from spmd.dryrun import DoesNotFit, dry_run, volume_by_axis
     from spmd.sharding import fmt_bytes
 
     max_compiles = max_compiles if max_compiles is not None else 4 * candidates
@@ -178,7 +179,8 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
     if devices % dcn:
         raise UserError(f"--devices {devices} must divide by --dcn {dcn}")
     fits, rejected = [], []
-    for spec, preset, setup, reason in enumerate_candidates(cfg, devices, axes or search_axes(cfg, None)):
+    candidates_ = enumerate_candidates(cfg, devices, axes or search_axes(cfg, None), device_list)
+    for spec, preset, setup, reason in candidates_:
         if setup is None:
             rejected.append((spec, preset, reason))
             continue
@@ -201,17 +203,17 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
         if len(ranked) == candidates or compiled == max_compiles:
             break
         compiled += 1
-        r = dry_run(cand["setup"])
+        try:
+            r = dry_run(cand["setup"])
+        except DoesNotFit as e:  # the TPU compiler's refusal (spmd-plan --topology)
+            rejected.append((cand["mesh"], cand["rules"], str(e)))
+            continue
         need = r["per_device_bytes"]["peak"]
         if need > budget:
             why = f"compiled step needs {fmt_bytes(need)} per device (peak: arguments + outputs - aliased + temporaries) > budget {fmt_bytes(budget)}"
             rejected.append((cand["mesh"], cand["rules"], why))
             continue
-        by_axis = {}
-        for row in r["collectives"]:
-            for axis in row["axes"] or ["-"]:
-                by_axis[axis] = by_axis.get(axis, 0.0) + row["volume_bytes"] / max(1, len(row["axes"]))
-        est = estimate(cfg, cand["setup"].plan, hw, dcn, by_axis)
+        est = estimate(cfg, cand["setup"].plan, hw, dcn, volume_by_axis(r["collectives"]))
         ranked.append({**cand, **est, "need": need, "sent": r["collective_volume_bytes"],
                        "compile_s": r["compile_seconds"]})  # fmt: skip
     ranked.sort(key=lambda c: c["step_s"])

@@ -91,11 +91,18 @@ def assemble(
     Bad input raises UserError naming what to fix.
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
+    device_mesh = build_mesh(mesh, dcn_mesh, devices)
+    platform = device_mesh.devices.flat[0].platform
     try:
-        attention_desc = attention.describe(cfg.model.attention_impl, cfg.train.seq_len)
+        attention_desc = attention.describe(cfg.model.attention_impl, cfg.train.seq_len, platform)
+        model_cfg = cfg.model
+        if platform != jax.default_backend():
+            # Compile-only devices of another platform (spmd.topology): the model is traced on this
+            # host, so it gets the implementation chosen for the devices, not for the host.
+            impl = attention.resolve(cfg.model.attention_impl, cfg.train.seq_len, platform)
+            model_cfg = dataclasses.replace(cfg.model, attention_impl=impl)
     except ValueError as e:
         raise UserError(str(e)) from None
-    device_mesh = build_mesh(mesh, dcn_mesh, devices)
     memory.check(cfg, device_mesh)
     resolved = (load_rules(rules) if isinstance(rules, str) else rules).with_attention(cfg.attention)
     if decoding:
@@ -107,7 +114,7 @@ def assemble(
         )
     plan = sharding_lib.plan(
         model_cls,
-        cfg.model,
+        model_cfg,
         device_mesh,
         resolved,
         cfg.train.global_batch_size,

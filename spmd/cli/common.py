@@ -57,6 +57,16 @@ def set_host_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def set_host_platform() -> None:
+    """Run JAX itself on the CPU (for compile-only devices of another platform, spmd.topology):
+    where libtpu is installed JAX would otherwise look for TPU chips and warn that there are none."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

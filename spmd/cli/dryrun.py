@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from spmd.cli.common import Parser, add_host_devices, run_main
+from spmd.cli.common import Parser, add_host_devices, run_main, set_host_platform
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="fsdp=-1")
     p.add_argument("--rules", default="fsdp")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--topology",
+        help="compile for this TPU slice with the TPU compiler (libtpu: pip install '.[tpu]'), "
+        "e.g. v5e:4x4, v5p:4x4x4, v6e:8x8; --mesh sizes multiply to its chip count",
+    )
+    p.add_argument("--num-slices", type=int, default=1, help="--topology slices joined by DCN [1]")
+    p.add_argument("--dcn-mesh", default="", help="mesh across slices [data=<num-slices>]")
     add_host_devices(p, "fake CPU devices standing in for the topology", from_env=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="also list every collective instruction")
@@ -30,16 +37,33 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from spmd.dryrun import dry_run
+    from spmd.errors import UserError
     from spmd.setup import assemble
 
+    devices, dcn_mesh = None, args.dcn_mesh
+    if args.topology:
+        from spmd import topology
+
+        if args.host_devices is not None:
+            raise UserError("--topology and --host-devices both name the devices; give one")
+        set_host_platform()
+        devices = topology.devices(args.topology, args.num_slices)
+        dcn_mesh = dcn_mesh or (f"data={args.num_slices}" if args.num_slices > 1 else "")
+    elif args.num_slices != 1:
+        raise UserError("--num-slices needs --topology")
     report = dry_run(
-        assemble(args.config, args.mesh, args.rules, overrides=args.set), list_instructions=args.list
+        assemble(args.config, args.mesh, args.rules, overrides=args.set, devices=devices, dcn_mesh=dcn_mesh),
+        list_instructions=args.list,
     )
     if args.json:
         print(json.dumps(report))
     else:
         print_report(report)
     return 0
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds:.3f}s" if seconds >= 0.1 else f"{seconds * 1e3:.3f}ms"
 
 
 def print_report(r: dict) -> None:
@@ -65,7 +89,19 @@ def print_report(r: dict) -> None:
         f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
         f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
     )
-    print("collectives per step (XLA CPU backend), per device:")
+    est = r.get("chip_estimate")
+    if est:
+        print(
+            f"{r['device_kind']} ({est['chip']}): {fmt_bytes(est['hbm_per_device'])} HBM per device; the compiled "
+            f"peak {'fits' if est['fits'] else 'does NOT fit'}\n"
+            f"  est. step {_t(est['step_s'])} = compute {_t(est['compute_s'])} at "
+            f"{est['hardware']['peak'] / 1e12:.0f} TFLOP/s + communication {_t(est['comm_s'])} "
+            f"(the bytes below over ICI {est['hardware']['ici'] / 1e9:.0f} GB/s"
+            + (f", DCN axes {','.join(est['dcn_axes'])}" if est["dcn_axes"] else "")
+            + f"; not overlapped): MFU {est['mfu']:.1%}\n"
+        )
+    backend = "TPU compiler" if r["platform"] == "tpu" else f"XLA {r['platform'].upper()} backend"
+    print(f"collectives per step ({backend}), per device:")
     print(f"  {'kind':<20} {'mesh axes':<18} {'count':>7} {'result bytes':>14} {'sent (ring)':>14}")
     for row in r["collectives"]:
         print(

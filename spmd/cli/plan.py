@@ -4,7 +4,7 @@
 import argparse
 import sys
 
-from spmd.cli.common import Parser, add_host_devices, run_main, set_host_devices
+from spmd.cli.common import Parser, add_host_devices, run_main, set_host_devices, set_host_platform
 from spmd.hardware import planner_chips
 
 
@@ -13,8 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = Parser(prog="spmd-plan", description=plan.__doc__.split("\n\n")[0])
     p.add_argument("--config", default="small")
-    p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--memory-per-device", required=True, help="e.g. 80GiB")
+    p.add_argument("--devices", type=int, help="how many devices [--topology's]")
+    p.add_argument("--memory-per-device", help="e.g. 80GiB [--topology's HBM per device]")
+    p.add_argument(
+        "--topology",
+        help="rank on the TPU compiler's memory and collectives for this slice (libtpu: pip install "
+        "'.[tpu]'), e.g. v5p:4x4x4; sets --hardware",
+    )
     p.add_argument(
         "--dcn",
         type=int,
@@ -52,15 +57,36 @@ def _t(seconds: float) -> str:
 def run(args) -> int:
     from spmd import plan
     from spmd.config import load_config
+    from spmd.errors import UserError
     from spmd.sharding import fmt_bytes
 
-    if args.host_devices is None:
+    device_list, memory = None, args.memory_per_device
+    if args.topology:
+        from spmd import topology
+
+        if args.host_devices is not None:
+            raise UserError("--topology and --host-devices both name the devices; give one")
+        if args.dcn != 1:
+            raise UserError("spmd-plan --topology plans one slice; --dcn is not supported with it")
+        set_host_platform()
+        device_list = topology.devices(args.topology)
+        if args.devices not in (None, len(device_list)):
+            raise UserError(f"--devices {args.devices} but --topology {args.topology} has {len(device_list)}")
+        args.devices = len(device_list)
+        args.hardware = topology.GENERATIONS[topology.parse(args.topology)[0]][0]
+        memory = memory or f"{topology.hbm_per_device(args.topology, device_list):.0f}B"
+    elif args.devices is None or memory is None:
+        raise UserError("give --devices and --memory-per-device (or --topology, which implies both)")
+    elif args.host_devices is None:
         set_host_devices(args.devices)
     cfg = load_config(args.config, args.set)
-    budget = plan.parse_bytes(args.memory_per_device)
+    budget = plan.parse_bytes(memory)
     hw = plan.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
+    if device_list:  # TPU v4/v5p topologies may list each of a chip's two TensorCores as a device
+        cores = 1 + max(getattr(d, "core_on_chip", 0) for d in device_list)
+        hw = {k: v / cores for k, v in hw.items()}
     found = plan.search(cfg, args.devices, budget, hw, args.dcn, plan.search_axes(cfg, args.axes), args.candidates,
-                        args.max_compiles)  # fmt: skip
+                        args.max_compiles, device_list)  # fmt: skip
 
     print(
         f"{cfg.name} on {args.devices} devices ({args.hardware}: {hw['peak'] / 1e12:.0f} TFLOP/s, "

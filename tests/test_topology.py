@@ -1,0 +1,102 @@
+"""spmd-dryrun --topology: the train step compiled by the TPU compiler (libtpu, the `tpu` extra)
+for a named slice on this CPU-only machine, and what that shows that XLA:CPU cannot: its
+collectives, its memory (with host offload), and its refusal of what does not fit."""
+
+import importlib.util
+
+import pytest
+
+from spmd.errors import UserError
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs the tpu extra: pip install '.[tpu]'"
+)
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    from spmd import topology
+
+    return topology.devices("v5e:2x2")
+
+
+def dry(devices, mesh, rules, *overrides, config="tiny"):
+    from spmd.dryrun import dry_run
+    from spmd.setup import assemble
+
+    return dry_run(assemble(config, mesh, rules, overrides=list(overrides), devices=devices))
+
+
+def kinds(r, axis):
+    return {c["kind"] for c in r["collectives"] if axis in c["axes"]}
+
+
+def test_the_tpu_compiler_reduce_scatters_what_xla_cpu_all_reduces(v5e, devices):
+    """fsdp on 4 chips, at a width where the TPU compiler's reduce-scatter creator applies: the
+    gradients are reduce-scattered over fsdp; XLA:CPU all-reduces them. The chip's figures come
+    with it: its HBM per device and a roofline estimate."""
+    wide = ("model.d_model=256", "model.d_ff=512", "model.n_heads=8", "model.head_dim=32")
+    tpu = dry(v5e, "fsdp=4", "fsdp", *wide)
+    cpu = dry(devices[:4], "fsdp=4", "fsdp", *wide)
+    assert tpu["platform"] == "tpu" and tpu["device_kind"] == "TPU v5 lite"
+    assert "reduce-scatter" in kinds(tpu, "fsdp") and "reduce-scatter" not in kinds(cpu, "fsdp")
+
+    def all_reduced(r):
+        return sum(c["volume_bytes"] for c in r["collectives"] if c["kind"] == "all-reduce")
+
+    assert all_reduced(tpu) < all_reduced(cpu) / 2  # the gradients are no longer all-reduced
+    est = tpu["chip_estimate"]
+    assert est["chip"] == "tpu-v5e" and est["hbm_per_device"] == 16 * 2**30 and est["fits"]
+    assert est["step_s"] == pytest.approx(est["compute_s"] + est["comm_s"]) and 0 < est["mfu"] < 1
+    assert cpu["chip_estimate"] is None
+
+
+def test_context_parallel_ring_compiles_for_tpu(v5e):
+    r = dry(v5e, "context=4", "cp_ring")
+    assert r["platform"] == "tpu"
+    assert "collective-permute" in kinds(r, "context")  # the ring's K/V hops
+
+
+def test_host_offload_is_compiled_for_tpu_and_counted_in_host_memory(v5e):
+    """Where the backend moves data between memories (TPU), the optimizer state and remat
+    residuals go to pinned_host: the compiler's own host figures hold them and the device's
+    arguments drop by the state's size. (On XLA:CPU remat offload is an error: test_optimizers.)"""
+    plain = dry(v5e, "fsdp=4", "fsdp")
+    off = dry(v5e, "fsdp=4", "fsdp", "optimizer.offload=true", "model.remat=offload_dots")
+    state = plain["per_device_bytes"]["optimizer_state"]
+    # (TPU layouts pad small arrays to their tiles, so the device side drops by at least the
+    # state's unpadded bytes.)
+    assert plain["per_device_bytes"]["arguments"] - off["per_device_bytes"]["arguments"] >= state
+    assert off["per_device_bytes"]["host"] > state  # the state plus the offloaded residuals
+
+
+def test_a_step_that_cannot_fit_is_the_compilers_refusal_named(v5e):
+    from spmd.dryrun import DoesNotFit
+
+    with pytest.raises(DoesNotFit, match="does not fit TPU v5 lite: .*exceeds available HBM"):
+        dry(v5e, "data=4", "dp", "train.global_batch_size=64", "train.seq_len=4096", config="small")
+
+
+def test_topology_errors(monkeypatch, v5e):
+    import subprocess
+    import sys
+
+    from spmd import topology
+    from spmd.setup import assemble
+
+    for name in ("bogus:2x2", "v5e", "v5e:0x2"):
+        with pytest.raises(UserError, match="is not a TPU topology"):
+            topology.devices(name)
+    with pytest.raises(UserError, match="libtpu rejects it"):
+        topology.devices("v5e:3x3")
+    with pytest.raises(UserError, match="--mesh fsdp=8 has 8 devices but 4 are available"):
+        assemble("tiny", "fsdp=8", "fsdp", devices=v5e)
+    cli = subprocess.run(
+        [sys.executable, "-m", "spmd.cli.dryrun", "--config", "tiny", "--topology", "v9:2x2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 2 and cli.stderr.startswith("error: --topology 'v9:2x2' is not a TPU topology")
+    assert len(cli.stderr.strip().splitlines()) == 1
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(UserError, match=r"pip install '.\[tpu\]'"):
+        topology.devices("v5e:2x2")
