@@ -14,7 +14,7 @@ of the sequence works: contiguous, zigzag (device i holds chunks i and 2n-1-i of
 under zigzag every device then computes the same number of pieces (see `computed_blocks`).
 
 `ring_flash_attention` is the same ring with every block computed by the Pallas flash kernel
-(GPU; interpret mode on CPU), for layouts whose pieces are runs of consecutive positions.
+(GPU; TPU with `tpu=True`, its Mosaic block layout; interpret mode on CPU), for layouts whose pieces are runs of consecutive positions.
 
 Legend: B batch, t local query positions, s local key positions, K kv heads, G query heads per kv
 head, H head dim, N = K*G. `masked_attention` is the pure-JAX reference (and the block op used
@@ -370,7 +370,7 @@ def _relation(qpos, kpos):
     return jnp.where(jnp.min(kpos) > jnp.max(qpos), 0, jnp.where(jnp.min(kpos) == jnp.min(qpos), 2, 1))
 
 
-def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
+def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret, tpu):
     from kernels.flash_attention import flash_forward
 
     B, T, N, H = q.shape
@@ -394,7 +394,9 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
 
                 def attend(st, diagonal, a=a, b=b, seg=seg):
                     o, lse = st
-                    o_b, lse_b = flash_forward(q_p[a], k_p[b], v_p[b], seg, diagonal, scale, bs, interpret)
+                    o_b, lse_b = flash_forward(
+                        q_p[a], k_p[b], v_p[b], seg, diagonal, scale, bs, interpret, tpu
+                    )
                     lse_new = jnp.logaddexp(lse, lse_b)
                     w_old = jnp.exp(lse - lse_new).transpose(0, 2, 1)[..., None]
                     w_new = jnp.exp(lse_b - lse_new).transpose(0, 2, 1)[..., None]
@@ -417,7 +419,7 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
 
 
 def _flash_ring_backward(
-    q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret
+    q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret, tpu
 ):
     from kernels.flash_attention import flash_backward
 
@@ -451,6 +453,7 @@ def _flash_ring_backward(
                         scale,
                         bs,
                         interpret,
+                        tpu,
                     )
                     return (
                         dq_a + dq_ab.astype(jnp.float32),
@@ -477,24 +480,24 @@ def _flash_ring_backward(
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
-def _flash_ring(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13, 14))
+def _flash_ring(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret, tpu):
     return _flash_ring_forward(
-        q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret
+        q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret, tpu
     )[0]
 
 
-def _flash_ring_fwd(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret):
+def _flash_ring_fwd(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret, tpu):
     out, lse = _flash_ring_forward(
-        q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret
+        q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret, tpu
     )
     return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
 
 
-def _flash_ring_bwd(axis_name, n, causal, c, scale, bs, interpret, residuals, dout):
+def _flash_ring_bwd(axis_name, n, causal, c, scale, bs, interpret, tpu, residuals, dout):
     q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
     dq, dk, dv = _flash_ring_backward(
-        q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret
+        q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret, tpu
     )
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
     return dq, dk, dv, no_grad(qpos), no_grad(kpos), no_grad(qseg), no_grad(kseg)
@@ -517,6 +520,7 @@ def ring_flash_attention(
     scale=None,
     block_sizes=None,
     interpret: bool | None = None,
+    tpu: bool = False,
 ):
     """`ring_attention` with every block computed by the Pallas flash kernel (forward, and its dq /
     dk-dv kernels in the backward). Causal masking is the kernel's (by index), so the layout must
@@ -544,4 +548,5 @@ def ring_flash_attention(
         scale,
         block_sizes or BlockSizes(),
         interpret,
+        tpu,
     )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from kernels.chunked_attention import chunked_attention
 from kernels.flash_attention import flash_attention
-from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provided
+from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provided, target_platform
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
 CHUNKED_FROM = 1024
@@ -67,25 +67,46 @@ def xla_attention(
     return out_bQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None):
+def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, tpu=False):
     """The Pallas flash kernel, run per device on its batch and head shards (GSPMD cannot split a
-    kernel call itself)."""
+    kernel call itself). `tpu`: the kernel's TPU (Mosaic) block layout. Interpret mode where the
+    devices it runs on (not this host's: a TPU topology's in a dry-run) are CPUs."""
+    interpret = target_platform() == "cpu"
     if segment_ids_BT is None:
-        kernel = functools.partial(flash_attention, causal=causal)
+        kernel = functools.partial(flash_attention, causal=causal, tpu=tpu, interpret=interpret)
         return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q_BTNH, k_BSKH, v_BSKH)
 
     def kernel(q, k, v, seg):
-        return flash_attention(q, k, v, causal=causal, segment_ids_BT=seg)
+        return flash_attention(q, k, v, causal=causal, segment_ids_BT=seg, tpu=tpu, interpret=interpret)
 
     return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES, TOKEN_AXES), Q_AXES)(
         q_BTNH, k_BSKH, v_BSKH, segment_ids_BT
     )
 
 
-ATTENTION_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": pallas_attention}
+ATTENTION_IMPLS = {
+    "xla": xla_attention,
+    "chunked": chunked_attention,
+    "pallas": pallas_attention,
+    # The same kernel in the block layout Mosaic (TPU) lowers; `pallas` and `auto` resolve to it on
+    # TPU. It runs in interpret mode on CPU like the other (the tests).
+    "pallas_tpu": functools.partial(pallas_attention, tpu=True),
+}
+
+
 # What each implementation runs on one device's whole sequence (inside context parallelism's
 # shard_map, where the Pallas kernel is called directly).
-LOCAL_IMPLS = {"xla": xla_attention, "chunked": chunked_attention, "pallas": flash_attention}
+def _local_flash(q_BTNH, k_BSKH, v_BSKH, tpu=False, **kw):
+    return flash_attention(q_BTNH, k_BSKH, v_BSKH, tpu=tpu, interpret=target_platform() == "cpu", **kw)
+
+
+LOCAL_IMPLS = {
+    "xla": xla_attention,
+    "chunked": chunked_attention,
+    "pallas": _local_flash,
+    "pallas_tpu": functools.partial(_local_flash, tpu=True),
+}
+KERNEL_IMPLS = ("pallas", "pallas_tpu")
 
 
 def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None):
@@ -104,7 +125,7 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None)
             segment_ids_BT,
             causal=True,
             local_impl=LOCAL_IMPLS[impl],
-            kernel=impl == "pallas",
+            kernel=impl if impl in KERNEL_IMPLS else None,
         )
     if segment_ids_BT is None:
         return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)
@@ -115,20 +136,17 @@ CHOICES = (*ATTENTION_IMPLS, "auto")
 
 
 def resolve(name: str, seq_len: int, platform: str | None = None) -> str:
-    """The implementation `name` runs as: `auto` is pallas on GPU, chunked on TPU, else chunked
-    from CHUNKED_FROM positions and xla below. Raises ValueError where the choice cannot run."""
+    """The implementation `name` runs as: `auto` is the Pallas flash kernel on GPU (Triton) and TPU
+    (Mosaic: `pallas_tpu`, its TPU block layout), else chunked from CHUNKED_FROM positions and xla
+    below. Raises ValueError where the choice cannot run."""
     platform = platform or jax.devices()[0].platform
+    if platform == "tpu" and name in ("auto", "pallas"):
+        return "pallas_tpu"  # the kernel's Mosaic block layout
     if name == "auto":
-        # TPU: chunked until the flash kernel has a Mosaic (TPU) lowering; pallas is Triton here.
         return (
             "pallas"
             if platform in ("gpu", "cuda", "rocm")
-            else ("chunked" if platform == "tpu" or seq_len >= CHUNKED_FROM else "xla")
-        )
-    if name == "pallas" and platform == "tpu":
-        raise ValueError(
-            "attention_impl=pallas is built and tested for GPU (Triton) and CPU (interpret mode), "
-            "not TPU; use chunked or xla there"
+            else ("chunked" if seq_len >= CHUNKED_FROM else "xla")
         )
     return name
 
@@ -138,6 +156,7 @@ def describe(name: str, seq_len: int, platform: str | None = None) -> str:
     impl = resolve(name, seq_len, platform)
     note = {
         "pallas": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Triton)",
+        "pallas_tpu": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Mosaic)",
         "chunked": " (O(T) memory)",
         "xla": "",
     }[impl]

@@ -84,14 +84,14 @@ def check(rules, mesh, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]
 
 
 def context_attention(
-    q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None, *, causal=True, local_impl=None, kernel=False
+    q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT=None, *, causal=True, local_impl=None, kernel=None
 ):
     """Attention with the sequence sharded over the active rules' `seq` axes (see module doc).
 
     `local_impl(q, k, v, causal=)` is the single-device attention Ulysses runs on whole sequences
     in natural order (xla, chunked or the Pallas kernel). `kernel`: the ring computes its blocks
     with the Pallas flash kernel (zigzag and contiguous layouts; striped falls back to the
-    pure-JAX blocks, whose masks come from positions)."""
+    pure-JAX blocks, whose masks come from positions); "pallas_tpu" is its TPU block layout."""
     rules, mesh, axes, n = active()
     axis_name = axes if len(axes) > 1 else axes[0]
     mode = rules.context_parallel
@@ -117,6 +117,11 @@ def context_attention(
                 axis_size=n,
                 causal=causal,
                 sub_chunks=ring.sub_chunks(layout(rules)),
+                **(
+                    {"tpu": kernel == "pallas_tpu", "interpret": mesh.devices.flat[0].platform == "cpu"}
+                    if blocks is ring.ring_flash_attention
+                    else {}
+                ),
             )
     elif mode == "allgather":
 

@@ -66,7 +66,9 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx  # tokens on one device
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
-        act = B * T * m.d_model * 4  # fp32 activations
+        # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
+        # its bf16 figures run up to 2x over this; the TPU compiler sends them as they are.)
+        act = B * T * m.d_model * np.dtype(m.dtype).itemsize
         out["tensor"] = 4 * m.n_layers * 2 * act * (t - 1) / t
     if n_ctx > 1:
         # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
@@ -161,10 +163,11 @@ def chip_estimate(setup, rows, flops: float, peak: int, slices: int = 1) -> dict
     }
 
 
-def dry_run(setup, list_instructions: bool = False) -> dict:
+def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
     from models.llama import flops_per_token
+    from spmd import explain as explain_lib
     from spmd import hlo
 
     cfg, mesh, rules, plan, trainer = setup.cfg, setup.mesh, setup.rules, setup.plan, setup.trainer
@@ -237,6 +240,7 @@ def dry_run(setup, list_instructions: bool = False) -> dict:
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),
         "analytic_minimum_bytes": minimum,
         "analytic_minimum_total": sum(minimum.values()),
+        "explain": explain_lib.explain(setup, items) if explain else None,
         "instructions": [
             {
                 "name": c.name,

@@ -45,6 +45,8 @@ class Collective:
     computation: str  # the HLO computation it sits in
     loop_trips: int  # product of the enclosing loops' trip counts (1: not in a loop)
     name: str
+    shapes: tuple[tuple[int, ...], ...] = ()  # each result array's dims (one per operand)
+    op_name: str = ""  # the JAX operation it came from (HLO metadata), e.g. ".../while/body/.../dot_general"
 
 
 def shape_bytes(shape: str) -> int:
@@ -196,7 +198,19 @@ def collectives(text: str, mesh) -> list[Collective]:
                 # The TPU compiler's reduce-scatter: a fusion of an all-reduce and the slice each
                 # device keeps, run as one reduce-scatter; its result is that slice.
                 kind, nbytes = "reduce-scatter", nbytes // len(groups[0])
-            out.append(Collective(kind, axes, nbytes, trips, comp, trips, m.group(1)))
+            dims = tuple(tuple(int(d) for d in ds.split(",") if d) for _, ds in _ARRAY.findall(shape))
+            if kind == "reduce-scatter" and comp.startswith("all-reduce-scatter"):
+                root = next((_INSTR.match(x) for x in lines if x.strip().startswith("ROOT")), None)
+                if root:  # the slice each device keeps
+                    dims = tuple(
+                        tuple(int(d) for d in ds.split(",") if d) for _, ds in _ARRAY.findall(root.group(2))
+                    )
+            op = re.search(r'op_name="([^"]*)"', rest)
+            out.append(
+                Collective(
+                    kind, axes, nbytes, trips, comp, trips, m.group(1), dims, op.group(1) if op else ""
+                )
+            )
     return out
 
 

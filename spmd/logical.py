@@ -92,6 +92,13 @@ def can_merge(logical: tuple[str, ...]) -> bool:
     return not any(is_split(name) for name in logical[1:])
 
 
+def target_platform() -> str:
+    """The platform of the devices the traced program is for: the active mesh's (compile-only TPU
+    devices in a dry-run), else JAX's default devices'."""
+    current = _ACTIVE.get()
+    return (current.mesh.devices.flat[0] if current is not None else jax.devices()[0]).platform
+
+
 def per_shard(fn, in_logical, out_logical):
     """`fn` applied to each device's shards (shard_map over the active mesh), for ops GSPMD cannot
     partition by itself (Pallas kernels). Identity when no rules are active (one device, tests).

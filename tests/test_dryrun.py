@@ -102,3 +102,32 @@ def test_cli_json_and_errors(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "8 are available" in bad.stderr
     bad = run_script("dryrun", "--config", "tiny", "--host-devices", "8", "--rules", "zero3")
     assert bad.returncode == 2 and "unknown rules preset 'zero3'" in bad.stderr
+
+
+def test_explain_attributes_tensor_parallel_traffic_to_its_rules(tmp_path):
+    """--explain on tp: every collective over `tensor` is put down to a rule of the tp preset
+    (heads/mlp partial sums, the split vocabulary, the regrouped attention heads); a deliberately
+    bad rules file splitting `embed` over tensor shows its traffic under "embed -> tensor"."""
+    from spmd.rules import load_rules
+
+    tp = dryrun.dry_run(assemble("tiny", "data=4,tensor=2", "tp"), explain=True)["explain"]
+    on_tensor = [r for r in tp["rules"] if "tensor" in r["rule"].split(" -> ")[1]]
+    assert not [u for u in tp["unexplained"] if "tensor" in u["axes"]]
+    tp_names = {n for n, axes in load_rules("tp").mapping.items() if "tensor" in axes}
+    for row in on_tensor:
+        assert set(row["rule"].split(" -> ")[0].split("/")) <= tp_names, row
+    partial = [
+        r for r in on_tensor if r["kind"] == "all-reduce" and r["what"].startswith("partial sums of a layer")
+    ]
+    assert partial and {"heads", "mlp"} <= set(partial[0]["rule"].split(" -> ")[0].split("/"))
+    assert not [r for r in tp["rules"] if r["rule"].startswith("embed")]
+
+    bad = tmp_path / "embed_tensor.toml"
+    bad.write_text('extends = "dp"\ndescription = "bad: embed over tensor"\n\n[rules]\nembed = "tensor"\n')
+    worse = dryrun.dry_run(assemble("tiny", "data=4,tensor=2", str(bad)), explain=True)
+    blamed = sum(r["volume_bytes"] for r in worse["explain"]["rules"] if r["rule"] == "embed -> tensor")
+    assert blamed > 0.5 * worse["collective_volume_bytes"]  # most of what it sends is that rule's
+    assert {r["what"] for r in worse["explain"]["rules"] if r["rule"] == "embed -> tensor"} >= {
+        "weights gathered",
+        "partial sums of a layer's matmuls over a split dimension",
+    }

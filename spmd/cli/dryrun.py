@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_host_devices(p, "fake CPU devices standing in for the topology", from_env=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="also list every collective instruction")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="attribute each collective to the logical-axis rule (and parameter or activation) behind it",
+    )
     return p
 
 
@@ -54,6 +59,7 @@ def run(args) -> int:
     report = dry_run(
         assemble(args.config, args.mesh, args.rules, overrides=args.set, devices=devices, dcn_mesh=dcn_mesh),
         list_instructions=args.list,
+        explain=args.explain,
     )
     if args.json:
         print(json.dumps(report))
@@ -114,6 +120,20 @@ def print_report(r: dict) -> None:
     print(
         f"\n  sent in all {fmt_bytes(total)}; analytic minimum {fmt_bytes(minimum)} ({parts or 'none'}); ratio {ratio}"
     )
+    if r.get("explain"):
+        ex = r["explain"]
+        print("\nwhy (--explain): bytes sent per step by the rule that causes them")
+        print(f"  {'rule':<26} {'kind':<20} {'count':>7} {'sent (ring)':>14}  what")
+        for row in ex["rules"]:
+            print(
+                f"  {row['rule']:<26} {row['kind']:<20} {row['count']:>7} "
+                f"{fmt_bytes(row['volume_bytes']):>14}  {row['what']}"
+            )
+        for row in ex["unexplained"]:
+            print(
+                f"  {'(unexplained)':<26} {row['kind']:<20} {row['count']:>7} {fmt_bytes(row['volume_bytes']):>14}  "
+                f"over {','.join(row['axes']) or '-'}, shapes {row['shapes']}, from {row['op_name'] or '?'}"
+            )
     for row in r["instructions"] or []:
         print(
             f"  {row['name']:<28} {row['kind']:<20} {','.join(row['axes']) or '-':<14} x{row['count']:<5} "

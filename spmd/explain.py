@@ -1,0 +1,164 @@
+"""`spmd-dryrun --explain`: each collective of a compiled step attributed to the logical-axis rule
+(and the parameter or activation) that caused it.
+
+A collective runs over some mesh axes; the rules say which logical names map to them. Which of
+those names is the cause is read from what is moved, matched against what the plan knows:
+
+- an array shaped like a parameter's shard (or one layer of it, inside the layer scan), gathered
+  along the dimension a rule splits: that parameter's weights, "embed -> fsdp";
+- a parameter-shaped array reduced over axes that split the batch (or the sequence): its
+  gradient, "batch -> data";
+- an array with the per-device tokens (B, T, ...) or flattened (B x T, ...): an activation. Summed
+  over an axis that splits a contraction: partial sums of a matmul over heads/mlp (inside the layer
+  scan) or the vocabulary (outside it: embedding lookup, logits), "mlp -> tensor"; regrouped or
+  moved: attention operands ("heads -> tensor"), keys and values ("seq -> context"), dispatched
+  tokens ("expert -> expert");
+- scalars and per-token statistics: loss sums, token counts, norms, softmax statistics.
+
+What matches nothing is listed as unexplained, never guessed.
+"""
+
+import collections
+import math
+
+from spmd.mesh import axes_size, spec_axes
+
+# Logical names whose split makes a contraction's output a partial sum, by where they act (the
+# embedding dimension is contracted in every projection into heads or MLP units, and by RMSNorm).
+CONTRACTED_IN_LAYERS = ("heads", "kv_heads", "mlp", "head_dim", "expert_mlp", "embed")
+CONTRACTED_OUTSIDE = ("vocab", "act_vocab", "embed")
+TOKEN_NAMES = ("batch", "seq", "act_seq")
+
+
+def _names_on(rules, axes, names) -> list[str]:
+    """Which of `names` the rules map onto any of `axes`."""
+    return [n for n in names if set(rules.mapping.get(n, ())) & set(axes)]
+
+
+def _param_shapes(plan, axes) -> list[tuple]:
+    """(shape, param, dim gathered or None, layer-sliced) for each shape a parameter can take in a
+    collective over `axes`: its shard, and its shard gathered along a dimension split over `axes`;
+    each also without the leading `layers` dimension (one layer, inside the scan)."""
+    sizes = dict(plan.mesh.shape)
+    out = []
+    for p in plan.params:
+        variants = [(tuple(p.local_shape), None)]
+        for d, entry in enumerate(p.spec):
+            on = [a for a in spec_axes(entry) if a in axes]
+            if on:
+                gathered = list(p.local_shape)
+                gathered[d] *= axes_size(sizes, on)
+                variants.append((tuple(gathered), d))
+        for shape, d in variants:
+            stacked = bool(p.logical) and p.logical[0] == "layers" and len(shape) > 1
+            lead, body = (shape[:1], shape[1:]) if stacked else ((), shape)
+            shapes = [shape] + ([body] if stacked else [])  # the stack, and one layer inside the scan
+            # Projections run flattened to 2-D (models.layers.project); the layers dim stays apart.
+            for k in range(1, len(body)):
+                flat = (math.prod(body[:k]), math.prod(body[k:]))
+                shapes += [lead + flat] + ([flat] if stacked else [])
+            out += [(sh, p, d) for sh in dict.fromkeys(shapes)]
+    return out
+
+
+def _rule(names, axes) -> str:
+    return f"{'/'.join(names)} -> {','.join(axes)}"
+
+
+def attribute(c, plan, cfg) -> tuple[str, str] | None:
+    """(rule, what) for one hlo.Collective, or None where nothing explains it."""
+    rules, axes = plan.rules, c.axes
+    if not axes:
+        return None
+    in_layers = "/while/body/" in c.op_name
+    token_names = _names_on(rules, axes, TOKEN_NAMES)
+    shapes = c.shapes or ((),)
+
+    # Weights and gradients: arrays shaped like a parameter's shard.
+    params = _param_shapes(plan, axes)
+    zero_axes = [a for a in axes if a in rules.shard_optimizer_over]
+    for shape in shapes:
+        for p_shape, p, dim in params:
+            if shape != p_shape:
+                continue
+            if c.kind == "all-gather" and dim is not None:
+                return _rule([p.logical[dim]], axes), "weights gathered"
+            if c.kind == "all-gather" and zero_axes:
+                return (
+                    f"shard_optimizer_over -> {','.join(axes)}",
+                    "updated parameters gathered (sharded update)",
+                )
+            if c.kind in ("all-reduce", "reduce-scatter") and token_names:
+                return _rule(token_names, axes), "gradients reduced"
+
+    if "ppermute" in c.op_name and "shard_map" in c.op_name and _names_on(rules, axes, ("seq",)):
+        return _rule(_names_on(rules, axes, ("seq",)), axes), "keys and values passed around the ring"
+    if "_take" in c.op_name:  # the embedding lookup (jnp.take on the vocab-by-embed table)
+        embed = next((p for p in plan.params if p.logical and p.logical[0] == "vocab"), None)
+        names = _names_on(rules, axes, embed.logical if embed else ()) or token_names
+        if names:
+            return _rule(names, axes), "embedding lookup: token ids and rows moved"
+
+    sizes = dict(plan.mesh.shape)
+    batch_split = axes_size(sizes, [a for a in rules.mapping.get("batch", ()) if a in sizes])
+    B = max(1, cfg.train.global_batch_size // cfg.train.microbatches // batch_split)
+    T, D = cfg.train.seq_len, cfg.model.d_model
+    seq_split = axes_size(sizes, [a for a in rules.mapping.get("seq", ()) if a in sizes])
+    token_counts = {B * T, B * (T // seq_split), B * (T // max(1, axes_size(sizes, axes)))}
+    for shape in shapes:
+        if math.prod(shape) <= 1 or (math.prod(shape) in token_counts and shape[-1] != D):
+            # Scalars (loss, token counts, norms) and per-token statistics (softmax max/sum).
+            names = (
+                token_names
+                or _names_on(rules, axes, CONTRACTED_OUTSIDE)
+                or _names_on(rules, axes, CONTRACTED_IN_LAYERS)
+            )
+            if names:
+                return _rule(names, axes), "scalars and per-token statistics (loss, counts, norms, softmax)"
+        # Activations: the leading dims hold the device's tokens.
+        if not shape:
+            continue
+        tokens = shape[0] in token_counts or (len(shape) > 1 and shape[0] * shape[1] in token_counts)
+        if not tokens and not (len(shape) > 1 and shape[0] == B):
+            continue
+        if c.kind == "all-to-all" and _names_on(rules, axes, ("expert",)):
+            return _rule(_names_on(rules, axes, ("expert",)), axes), "dispatched tokens (MoE)"
+        if c.kind == "all-reduce":
+            names = _names_on(rules, axes, CONTRACTED_IN_LAYERS if in_layers else CONTRACTED_OUTSIDE)
+            if names:
+                where = "a layer's matmuls" if in_layers else "the logits' matmul"
+                return _rule(names, axes), f"partial sums of {where} over a split dimension"
+        names = _names_on(rules, axes, ("heads", "kv_heads") if in_layers else ())
+        if names:
+            return _rule(names, axes), "attention operands regrouped across the split heads"
+        names = _names_on(rules, axes, ("act_seq", "act_embed", "act_vocab"))
+        if names:
+            return _rule(names, axes), "activations resharded"
+    return None
+
+
+def explain(setup, items) -> dict:
+    """{"rules": [{rule, what, count, volume_bytes}], "unexplained": [...]} for dry_run's
+    collectives `items` (hlo.Collective) with their ring volumes."""
+    from spmd.dryrun import ring_volume
+
+    sizes = dict(setup.mesh.shape)
+    by = collections.defaultdict(lambda: {"count": 0, "volume_bytes": 0.0})
+    unexplained = []
+    for c in items:
+        if not c.axes:  # groups of one device: nothing is sent
+            continue
+        volume = ring_volume(c.kind, c.bytes, axes_size(sizes, c.axes)) * c.count
+        found = attribute(c, setup.plan, setup.cfg)
+        if found is None:
+            unexplained.append(
+                {"kind": c.kind, "axes": list(c.axes), "shapes": [list(s) for s in c.shapes],
+                 "count": c.count, "volume_bytes": volume, "op_name": c.op_name}
+            )  # fmt: skip
+            continue
+        row = by[(found[0], found[1], c.kind)]
+        row["count"] += c.count
+        row["volume_bytes"] += volume
+    rows = [{"rule": r, "what": w, "kind": k, **v} for (r, w, k), v in by.items()]
+    rows.sort(key=lambda r: -r["volume_bytes"])
+    return {"rules": rows, "unexplained": unexplained}
