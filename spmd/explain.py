@@ -5,7 +5,8 @@ A collective runs over some mesh axes; the rules say which logical names map to 
 those names is the cause is read from what is moved, matched against what the plan knows:
 
 - an array shaped like a parameter's shard (or one layer of it, inside the layer scan), gathered
-  along the dimension a rule splits: that parameter's weights, "embed -> fsdp";
+  along the dimension a rule splits: that parameter's weights, "embed -> fsdp" (also where the TPU
+  compiler gathers by all-reducing shards written into zeros);
 - a parameter-shaped array reduced over axes that split the batch (or the sequence): its
   gradient, "batch -> data";
 - an array with the per-device tokens (B, T, ...) or flattened (B x T, ...): an activation. Summed
@@ -61,6 +62,10 @@ def _param_shapes(plan, axes) -> list[tuple]:
     return out
 
 
+def _squeeze(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
 def _rule(names, axes) -> str:
     return f"{'/'.join(names)} -> {','.join(axes)}"
 
@@ -79,10 +84,15 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
     zero_axes = [a for a in axes if a in rules.shard_optimizer_over]
     for shape in shapes:
         for p_shape, p, dim in params:
-            if shape != p_shape:
+            if _squeeze(shape) != _squeeze(p_shape):  # (compilers add and drop unit dims)
                 continue
             if c.kind == "all-gather" and dim is not None:
                 return _rule([p.logical[dim]], axes), "weights gathered"
+            forward = "transpose(" not in c.op_name  # gradients come from the backward pass
+            if dim is not None and (c.as_gather or (c.kind == "all-reduce" and forward and c.op_name)):
+                return _rule(
+                    [p.logical[dim]], axes
+                ), "weights gathered (as an all-reduce of zero-padded shards)"
             if c.kind == "all-gather" and zero_axes:
                 return (
                     f"shard_optimizer_over -> {','.join(axes)}",

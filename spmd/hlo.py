@@ -47,6 +47,9 @@ class Collective:
     name: str
     shapes: tuple[tuple[int, ...], ...] = ()  # each result array's dims (one per operand)
     op_name: str = ""  # the JAX operation it came from (HLO metadata), e.g. ".../while/body/.../dot_general"
+    # An all-reduce of shards written into zeros (dynamic-update-slice): the TPU compiler's way of
+    # gathering at scale. It sends what an all-reduce sends; what it does is a gather.
+    as_gather: bool = False
 
 
 def shape_bytes(shape: str) -> int:
@@ -206,9 +209,19 @@ def collectives(text: str, mesh) -> list[Collective]:
                         tuple(int(d) for d in ds.split(",") if d) for _, ds in _ARRAY.findall(root.group(2))
                     )
             op = re.search(r'op_name="([^"]*)"', rest)
+            as_gather = kind == "all-reduce" and "dynamic-update-slice" in rest.split(")", 1)[0]
             out.append(
                 Collective(
-                    kind, axes, nbytes, trips, comp, trips, m.group(1), dims, op.group(1) if op else ""
+                    kind,
+                    axes,
+                    nbytes,
+                    trips,
+                    comp,
+                    trips,
+                    m.group(1),
+                    dims,
+                    op.group(1) if op else "",
+                    as_gather,
                 )
             )
     return out
