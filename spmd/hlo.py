@@ -171,7 +171,9 @@ def collectives(text: str, mesh) -> list[Collective]:
     comps, entry = _computations(text)
     mult = _multipliers(comps, entry)
     names = tuple(mesh.axis_names)
-    coords = {int(d.id): tuple(int(c) for c in idx) for idx, d in np.ndenumerate(mesh.devices)}
+    # Replica groups name devices by their place in the program's device assignment (the mesh's
+    # devices in order), not by device id: the two differ for a permuted mesh or TPU slices.
+    coords = {i: tuple(int(c) for c in idx) for i, (idx, _) in enumerate(np.ndenumerate(mesh.devices))}
     out = []
     for comp, lines in comps.items():
         for line in lines:

@@ -66,6 +66,24 @@ def test_sharded_weight_update_reduce_scatters_on_tpu_and_sends_what_dp_sends(v5
     assert zero["per_device_bytes"]["optimizer_state"] <= 1.05 * dp["per_device_bytes"]["optimizer_state"] / 4
 
 
+def test_two_slices_compile_with_the_dcn_mesh_across_them():
+    """--num-slices 2: the mesh's data axis spans the slices (by slice_index); the report says
+    that the cross-slice transfers (send/recv, not collectives in the HLO) are not counted."""
+    from spmd import topology
+
+    devices = topology.devices("v5e:2x2", num_slices=2)
+    assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}
+    from spmd.dryrun import dry_run
+    from spmd.setup import assemble
+
+    s = assemble("tiny", "fsdp=4", "fsdp", devices=devices, dcn_mesh="data=2")
+    assert s.mesh.shape["data"] == 2  # data index i holds exactly slice i's chips
+    assert [{d.slice_index for d in s.mesh.devices[i].flat} for i in range(2)] in ([{0}, {1}], [{1}, {0}])
+    r = dry_run(s)
+    assert r["notes"] == ["2 slices: transfers between slices (DCN) are not counted below"]
+    assert r["chip_estimate"]["dcn_axes"] == ["data"]
+
+
 def test_context_parallel_ring_compiles_for_tpu(v5e):
     r = dry(v5e, "context=4", "cp_ring")
     assert r["platform"] == "tpu"

@@ -106,6 +106,8 @@ def print_report(r: dict) -> None:
             + (f", DCN axes {','.join(est['dcn_axes'])}" if est["dcn_axes"] else "")
             + f"; not overlapped): MFU {est['mfu']:.1%}\n"
         )
+    for note in r.get("notes", []):
+        print(f"note: {note}")
     backend = "TPU compiler" if r["platform"] == "tpu" else f"XLA {r['platform'].upper()} backend"
     print(f"collectives per step ({backend}), per device:")
     print(f"  {'kind':<20} {'mesh axes':<18} {'count':>7} {'result bytes':>14} {'sent (ring)':>14}")
