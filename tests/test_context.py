@@ -80,12 +80,16 @@ def test_forward_and_gradients_equal_one_device(devices, mode, n):
             assert rel_err(g, g_ref) <= 1e-5, f"{case}: {name}"
 
 
-@pytest.mark.parametrize("n,causal,with_segments", [(4, True, True), (2, True, False), (2, False, True)])
-def test_ring_with_pallas_blocks_equals_one_device(devices, n, causal, with_segments):
-    """The ring computing each block with the flash kernel (interpret mode here): fwd and grads."""
+@pytest.mark.parametrize(
+    "n,causal,with_segments,tpu",
+    [(4, True, True, False), (2, True, False, False), (2, False, True, False), (2, True, True, True)],
+)
+def test_ring_with_pallas_blocks_equals_one_device(devices, n, causal, with_segments, tpu):
+    """The ring computing each block with the flash kernel (interpret mode here): fwd and grads;
+    `tpu`: the kernel in its TPU block layout (what runs on TPU; the AOT compile is in test_topology)."""
     from kernels.flash_attention import BlockSizes
 
-    rng = np.random.default_rng([n, causal, with_segments])
+    rng = np.random.default_rng([n, causal, with_segments, tpu])
     B, T, K, G, H = 2, 64, 2, 2, 16
     q = jnp.asarray(rng.normal(size=(B, T, K * G, H)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
@@ -108,6 +112,7 @@ def test_ring_with_pallas_blocks_equals_one_device(devices, n, causal, with_segm
                 causal=causal,
                 sub_chunks=2,
                 block_sizes=BlockSizes(16, 16, 16, 16),
+                tpu=tpu,
             )
 
         spec = jax.sharding.PartitionSpec(None, "context")
