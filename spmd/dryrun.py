@@ -10,13 +10,14 @@ device sends over a ring (all-gather and reduce-scatter (n-1)/n of the full arra
 that), so the two forms are comparable.
 """
 
+import math
 import time
 
 import jax
 import numpy as np
 
 from spmd.errors import UserError
-from spmd.mesh import axes_size, format_mesh, spec_axes
+from spmd.mesh import MESH_AXES, axes_size, format_mesh, spec_axes
 
 
 def ring_volume(kind: str, result_bytes: int, group: int) -> float:
@@ -35,7 +36,8 @@ def ring_volume(kind: str, result_bytes: int, group: int) -> float:
 
 def analytic_minimum(cfg, plan) -> dict[str, float]:
     """Lower bound on bytes each device sends per step, by parallelism (see module doc):
-    FSDP gathers every parameter forward and backward and reduce-scatters its gradient; data
+    FSDP gathers every parameter forward and backward (in the compute dtype) and reduce-scatters
+    its gradient (in the parameter dtype); data
     parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
     per layer forward and twice backward; expert parallelism moves dispatched tokens by all-to-all;
@@ -57,7 +59,10 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         f = axes_size(sizes, [a for a in axes if a in batch_axes and a not in expert_axes])
         gathered = p.bytes_total / (shard / f)  # what one device holds after the FSDP gather
         if f > 1:
-            out["fsdp"] += 3 * gathered * (f - 1) / f
+            # Two gathers of the weights as the model uses them (cast to the compute dtype first:
+            # a bf16 model gathers bf16), one reduce-scatter of the gradient in the parameter dtype.
+            cast = min(1.0, np.dtype(m.dtype).itemsize / p.dtype.itemsize)
+            out["fsdp"] += (2 * cast + 1) * gathered * (f - 1) / f
         replicas = axes_size(sizes, [a for a in grad_axes if a not in axes])
         if replicas > 1:
             out["data"] += 2 * (gathered / f) * (replicas - 1) / replicas
@@ -123,6 +128,30 @@ def peak_bytes(mem, host: int = 0) -> int:
     )
 
 
+def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
+    """Roofline step time: compute at `hw["peak"]` plus each axis's bytes (default: the analytic
+    minimum) over its link, ICI or, for the outermost axes spanning `dcn` hosts, DCN."""
+    from models.llama import flops_per_token
+
+    sizes = dict(plan.mesh.shape)
+    compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
+    compute_s = compute / plan.mesh.size / hw["peak"]
+    volume = volume if volume is not None else analytic_minimum(cfg, plan)
+    # With several hosts, the outermost axes (data, then fsdp, in MESH_AXES order) are the ones that span them.
+    remaining, dcn_axes = dcn, set()
+    for axis in MESH_AXES:
+        if remaining > 1 and sizes.get(axis, 1) > 1:
+            dcn_axes.add(axis)
+            remaining = max(1, remaining // math.gcd(remaining, sizes[axis]))
+    comm_s = sum(v / (hw["dcn"] if axis in dcn_axes else hw["ici"]) for axis, v in volume.items())
+    return {
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "step_s": compute_s + comm_s,
+        "dcn_axes": sorted(dcn_axes),
+    }
+
+
 def volume_by_axis(rows) -> dict[str, float]:
     """Bytes sent per mesh axis from dry_run's collective rows (a collective over several axes
     counted evenly against each; "-" for none)."""
@@ -138,7 +167,6 @@ def chip_estimate(setup, rows, flops: float, peak: int, slices: int = 1) -> dict
     and a roofline step time from its datasheet (compute at peak plus each axis's compiled bytes
     over ICI, or DCN for the axes that span slices); None for other devices."""
     from spmd import hardware
-    from spmd.plan import estimate
 
     device = setup.mesh.devices.flat[0]
     if device.platform != "tpu":
@@ -245,7 +273,11 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),
         "analytic_minimum_bytes": minimum,
         "analytic_minimum_total": sum(minimum.values()),
-        "explain": explain_lib.explain(setup, items) if explain else None,
+        "explain": explain_lib.explain(
+            setup, items, [ring_volume(c.kind, c.bytes, axes_size(sizes, c.axes)) * c.count for c in items]
+        )
+        if explain
+        else None,
         "instructions": [
             {
                 "name": c.name,

@@ -147,18 +147,14 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
     return None
 
 
-def explain(setup, items) -> dict:
-    """{"rules": [{rule, what, count, volume_bytes}], "unexplained": [...]} for dry_run's
-    collectives `items` (hlo.Collective) with their ring volumes."""
-    from spmd.dryrun import ring_volume
-
-    sizes = dict(setup.mesh.shape)
+def explain(setup, items, volumes) -> dict:
+    """{"rules": [{rule, what, kind, count, volume_bytes}], "unexplained": [...]} for dry_run's
+    collectives `items` (hlo.Collective) and the bytes each sends per step (`volumes`)."""
     by = collections.defaultdict(lambda: {"count": 0, "volume_bytes": 0.0})
     unexplained = []
-    for c in items:
+    for c, volume in zip(items, volumes):
         if not c.axes:  # groups of one device: nothing is sent
             continue
-        volume = ring_volume(c.kind, c.bytes, axes_size(sizes, c.axes)) * c.count
         found = attribute(c, setup.plan, setup.cfg)
         if found is None:
             unexplained.append(

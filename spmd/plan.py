@@ -17,7 +17,6 @@
 """
 
 import dataclasses
-import math
 import re
 
 from spmd.errors import UserError
@@ -94,7 +93,6 @@ def meshes(n: int, axes=("data", "fsdp", "tensor")):
 
 def search_axes(cfg, text: str | None) -> tuple[str, ...]:
     from spmd.errors import UserError
-    from spmd.mesh import MESH_AXES
 
     if text is None:
         wanted = {"data", "fsdp", "tensor"} | ({"expert"} if cfg.model.n_experts else set())
@@ -128,31 +126,6 @@ def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor"), devices=N
                 yield spec, preset, None, str(e)
 
 
-def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
-    """Roofline step time: compute at `hw["peak"]` plus each axis's bytes (default: the analytic
-    minimum) over its link, ICI or, for the outermost axes spanning `dcn` hosts, DCN."""
-    from models.llama import flops_per_token
-    from spmd.dryrun import analytic_minimum
-
-    sizes = dict(plan.mesh.shape)
-    compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
-    compute_s = compute / plan.mesh.size / hw["peak"]
-    volume = volume if volume is not None else analytic_minimum(cfg, plan)
-    # With several hosts, the outermost axes (data, then fsdp, in MESH_AXES order) are the ones that span them.
-    remaining, dcn_axes = dcn, set()
-    for axis in MESH_AXES:
-        if remaining > 1 and sizes.get(axis, 1) > 1:
-            dcn_axes.add(axis)
-            remaining = max(1, remaining // math.gcd(remaining, sizes[axis]))
-    comm_s = sum(v / (hw["dcn"] if axis in dcn_axes else hw["ici"]) for axis, v in volume.items())
-    return {
-        "compute_s": compute_s,
-        "comm_s": comm_s,
-        "step_s": compute_s + comm_s,
-        "dcn_axes": sorted(dcn_axes),
-    }
-
-
 @dataclasses.dataclass
 class Search:
     """What `search` found: layouts that fit, fastest first (each dry-run compiled), and why the
@@ -170,7 +143,7 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
            max_compiles: int | None = None, device_list=None) -> Search:  # fmt: skip
     """Steps 1-4 of the module doc for `cfg` on `devices` devices with `budget` bytes each
     (`device_list`: compile for these, e.g. a TPU topology's, instead of JAX's own)."""
-    from spmd.dryrun import DoesNotFit, dry_run, volume_by_axis
+    from spmd.dryrun import DoesNotFit, dry_run, estimate, volume_by_axis
     from spmd.sharding import fmt_bytes
 
     max_compiles = max_compiles if max_compiles is not None else 4 * candidates

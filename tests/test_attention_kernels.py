@@ -80,7 +80,7 @@ def test_fp32_matches_reference(impl, causal, groups, segments, T):
     check(impl, causal, groups, segments, T, jnp.float32)
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("impl", ["chunked", "flash"])
 @pytest.mark.parametrize(
     "causal,groups,segments,T", BF16, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in BF16]
 )

@@ -84,12 +84,6 @@ def test_two_slices_compile_with_the_dcn_mesh_across_them():
     assert r["chip_estimate"]["dcn_axes"] == ["data"]
 
 
-def test_context_parallel_ring_compiles_for_tpu(v5e):
-    r = dry(v5e, "context=4", "cp_ring")
-    assert r["platform"] == "tpu"
-    assert "collective-permute" in kinds(r, "context")  # the ring's K/V hops
-
-
 def test_host_offload_is_compiled_for_tpu_and_counted_in_host_memory(v5e):
     """Where the backend moves data between memories (TPU), the optimizer state and remat
     residuals go to pinned_host: the compiler's own host figures hold them and the device's
