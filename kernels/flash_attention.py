@@ -440,25 +440,33 @@ def _flash_backward_tpu(qp, kp, vp, segq, segk, dop, lsep, deltap, common, G, T,
         compiler_params=_tpu_params(interpret),
     )(q, k, v, sq, sk, do, lse, delta)
 
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, groups=G, **common),
-        grid=(B, K, Sp // bk),
-        in_specs=[
-            pl.BlockSpec((None, G, Tp, H), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0)),
-            pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0)),
-            pl.BlockSpec((None, 1, Tp), lambda b, h, j: (b, 0, 0)) if seg else None,
-            pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j)) if seg else None,
-            pl.BlockSpec((None, G, Tp, H), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, G, 1, Tp), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, G, 1, Tp), lambda b, h, j: (b, h, 0, 0)),
-        ],
-        out_specs=[pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        interpret=interpret,
-        name="flash_attention_dkv",
-        compiler_params=_tpu_params(interpret),
-    )(q, k, v, sq, sk, do, lse, delta)
+    # dk/dv: one call per query head of the group (head h * G + g), summed in fp32 here: holding
+    # all G heads' queries of the whole sequence at once outgrows VMEM (llama-70b: G = 8 at 8k
+    # positions needs 64 MiB of blocks).
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for g in range(G):
+        head = lambda b, h, j, g=g: (b, h * G + g, 0, 0)  # noqa: E731
+        dk_g, dv_g = pl.pallas_call(
+            functools.partial(_dkv_kernel, groups=1, **common),
+            grid=(B, K, Sp // bk),
+            in_specs=[
+                pl.BlockSpec((None, 1, Tp, H), head),
+                pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0)),
+                pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0)),
+                pl.BlockSpec((None, 1, Tp), lambda b, h, j: (b, 0, 0)) if seg else None,
+                pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j)) if seg else None,
+                pl.BlockSpec((None, 1, Tp, H), head),
+                pl.BlockSpec((None, 1, 1, Tp), head),
+                pl.BlockSpec((None, 1, 1, Tp), head),
+            ],
+            out_specs=[pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0))] * 2,
+            out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32)] * 2,
+            interpret=interpret,
+            name="flash_attention_dkv",
+            compiler_params=_tpu_params(interpret),
+        )(q, k, v, sq, sk, do, lse, delta)
+        dk, dv = dk + dk_g, dv + dv_g
+    dk, dv = dk.astype(kp.dtype), dv.astype(vp.dtype)
     return _heads_major(dq)[:, :T], _heads_major(dk)[:, :S], _heads_major(dv)[:, :S]
 
 

@@ -144,7 +144,7 @@ KERNEL_CASES = [
 )
 def test_pallas_flash_attention_compiles_for_tpu(T, groups, causal):
     """The flash kernel's TPU block layout lowers through Mosaic: forward and both backward
-    kernels become TPU custom calls (packed segments on the causal cases)."""
+    kernels become TPU custom calls (packed segments on the causal cases), within VMEM at 8k."""
     import jax
     import jax.numpy as jnp
 
@@ -165,7 +165,8 @@ def test_pallas_flash_attention_compiles_for_tpu(T, groups, causal):
     # Mosaic reads the chip generation from the mesh in context when no TPU is attached.
     with jax.sharding.use_abstract_mesh(jax.sharding.Mesh([chip], ("x",)).abstract_mesh):
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
-    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3  # fwd, dq, dk/dv
+    # forward, dq, and dk/dv once per query head of a kv head's group
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2 + groups
 
 
 def test_attention_auto_is_the_pallas_kernel_in_a_tpu_train_step():
