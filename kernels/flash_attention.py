@@ -231,12 +231,6 @@ def _pad_to(x, axis, multiple, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _seg_specs(seg, block, index_q):
-    if seg is None:
-        return None, None
-    return seg, pl.BlockSpec((None, block), index_q)
-
-
 def _seg_pair(seg):
     """Segment ids of the queries and of the keys: one array for self-attention, or a pair (ring
     attention's blocks attend one device's queries to another's keys)."""

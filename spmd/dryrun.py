@@ -172,7 +172,7 @@ def chip_estimate(setup, rows, flops: float, peak: int, slices: int = 1) -> dict
     if device.platform != "tpu":
         return None
     name, chip = hardware.chip_for(device.device_kind)
-    cores = 1 + max(getattr(d, "core_on_chip", 0) for d in setup.mesh.devices.flat)
+    cores = hardware.cores_per_chip(setup.mesh.devices.flat)
     hbm = chip.hbm_bytes / cores
     hw = {
         "peak": chip.peak_flops / cores,

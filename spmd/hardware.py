@@ -49,3 +49,9 @@ def chip_for(device_kind: str) -> tuple[str, Chip] | None:
 def planner_chips() -> list[str]:
     """Chips with link bandwidths, which `spmd-plan --hardware` can rank without overrides."""
     return sorted(name for name, chip in CHIPS.items() if chip.ici_bytes_per_s is not None)
+
+
+def cores_per_chip(devices) -> int:
+    """JAX devices per chip: TPU v4/v5p topologies may list each of a chip's TensorCores as a
+    device, which then gets that share of the chip's FLOP/s, bandwidth and HBM."""
+    return 1 + max(getattr(d, "core_on_chip", 0) for d in devices)

@@ -30,7 +30,7 @@ def host_memory_kinds(mesh) -> bool:
 
 
 @functools.cache
-def _probe(platform: str, mesh) -> bool:
+def _probe(mesh) -> bool:
     on_device = NamedSharding(mesh, PartitionSpec())
     on_host = on_device.with_memory_kind(HOST)
     program = jax.jit(lambda x: jax.device_put(jax.device_put(x, on_host) * 2, on_device))
@@ -43,7 +43,7 @@ def _probe(platform: str, mesh) -> bool:
 def moves_inside_programs(mesh) -> bool:
     """Whether a program compiled for the mesh's devices moves data to host memory and back
     mid-program (JAX emits the placement annotation XLA needs), as host-offloaded remat does."""
-    return host_memory_kinds(mesh) and _probe(mesh.devices.flat[0].platform, mesh)
+    return host_memory_kinds(mesh) and _probe(mesh)
 
 
 def check(cfg, mesh) -> None:

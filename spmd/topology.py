@@ -82,5 +82,4 @@ def hbm_per_device(name: str, devs) -> float | None:
     hbm = chip(name).hbm_bytes
     if hbm is None:
         return None
-    cores = 1 + max(getattr(d, "core_on_chip", 0) for d in devs)
-    return hbm / cores
+    return hbm / hardware.cores_per_chip(devs)

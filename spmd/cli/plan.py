@@ -82,9 +82,10 @@ def run(args) -> int:
     cfg = load_config(args.config, args.set)
     budget = plan.parse_bytes(memory)
     hw = plan.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
-    if device_list:  # TPU v4/v5p topologies may list each of a chip's two TensorCores as a device
-        cores = 1 + max(getattr(d, "core_on_chip", 0) for d in device_list)
-        hw = {k: v / cores for k, v in hw.items()}
+    if device_list:
+        from spmd.hardware import cores_per_chip
+
+        hw = {k: v / cores_per_chip(device_list) for k, v in hw.items()}
     found = plan.search(cfg, args.devices, budget, hw, args.dcn, plan.search_axes(cfg, args.axes), args.candidates,
                         args.max_compiles, device_list)  # fmt: skip
 
