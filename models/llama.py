@@ -17,8 +17,8 @@ from flax import nnx
 
 from models import attention
 from models.layers import MLP, RMSNorm, param, project, rope, rope_frequencies
-from models.moe import DISPATCHED_AXES, MoE
-from spmd.logical import constrain
+from models.moe import DISPATCHED_AXES, MoE, MoEStats
+from spmd.logical import constrain, is_split, provided
 
 REMAT_POLICIES = {
     "none": None,
@@ -305,7 +305,8 @@ class Decoder(nnx.Module):
                 c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH)
             )
 
-        def group(x_BTD, xs):
+        def group(x_BTD, xs, side):
+            positions_BT, segment_ids_BT, order_BT = side
             new_k, new_v, stats = [], [], None
             for i in range(per_group):
                 moe = i == dense_per_group
@@ -326,7 +327,30 @@ class Decoder(nnx.Module):
 
         if cfg.remat != "none" and cache is None:
             group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x_BTD, (kv_out, stats) = jax.lax.scan(group, x_BTD, xs, unroll=min(cfg.scan_unroll, groups))
+
+        def run_groups(x_BTD, xs, side):
+            """The groups stacked in `xs` applied in order: (x, (new kv, stats) stacked)."""
+            n = jax.tree.leaves(xs)[0].shape[0]
+            return jax.lax.scan(lambda x, row: group(x, row, side), x_BTD, xs, unroll=min(cfg.scan_unroll, n))
+
+        def stage_groups(x_BTD, xs, side):
+            x_BTD, (_, stats) = run_groups(x_BTD, xs, side)
+            return x_BTD, stats
+
+        side = (positions_BT, segment_ids_BT, order_BT)
+        if cache is None and is_split("layers"):
+            # The layer stack is split over pipeline stages (spmd/pipeline.py).
+            x_BTD, stats = provided("pipeline")(
+                stage_groups,
+                x_BTD,
+                xs,
+                side,
+                x_axes=RESIDUAL_AXES,
+                combine_stats=MoEStats.of_microbatches,
+            )
+            kv_out = None
+        else:
+            x_BTD, (kv_out, stats) = run_groups(x_BTD, xs, side)
         if cache is not None:
             k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_out)
             cache = KVCache(

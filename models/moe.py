@@ -47,6 +47,11 @@ class MoEStats(NamedTuple):
     choices: jax.Array  # token-choices routed
     load_E: jax.Array  # token-choices routed to each expert (before capacity)
 
+    def of_microbatches(self, n: int) -> "MoEStats":
+        """The stats of a batch run as n microbatches, from their sums over the microbatches: the
+        losses (each a mean over its microbatch) averaged, the counts kept as sums."""
+        return self._replace(aux_loss=self.aux_loss / n, z_loss=self.z_loss / n)
+
 
 def route(logits_BTE, top_k: int, score: str = "softmax") -> Routing:
     """Top-k routing from router logits (fp32)."""

@@ -520,6 +520,7 @@ def resume_or_init(
     if source is None and init_from:
         directory, step = locate(init_from)
         params, _ = restore_params(directory, step, trainer.plan.abstract_params)
+        params = trainer.plan.from_canonical(params, trainer.plan.param_shardings)
         notes.append(f"parameters from {directory}/{step}; fresh optimizer state, starting at step 0")
         return Start(trainer.state_from_params(params), 0, notes)
     if source is None:
@@ -542,6 +543,7 @@ def resume_or_init(
                 f"keep {saved_opt.get(key)!r}, or start from its parameters with --init-from and a new --run-dir"
             )
     state, meta = restore(directory, step, trainer.abstract_state)
+    state = trainer.from_canonical(state)  # checkpoints hold the canonical layer order
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)
     notes.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")

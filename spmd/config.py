@@ -223,6 +223,36 @@ class AttentionConfig:
         return problems
 
 
+PIPELINE_SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over the `stage` mesh axis (spmd/pipeline.py); used when the rules map
+    `layers` to `stage` and the mesh has stage > 1."""
+
+    microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
+    schedule: str = "gpipe"  # gpipe | circular
+    repeats: int = 1  # circular: layer groups per stage, visited round-robin (divides the bubble)
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.schedule not in PIPELINE_SCHEDULES:
+            problems.append(
+                f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.microbatches < 0:
+            problems.append(f"pipeline.microbatches must be >= 0 (0: one per stage), got {self.microbatches}")
+        if self.repeats < 1:
+            problems.append(f"pipeline.repeats must be at least 1, got {self.repeats}")
+        elif self.repeats > 1 and self.schedule != "circular":
+            problems.append(
+                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular (gpipe holds one "
+                f"layer group per stage)"
+            )
+        return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str
@@ -232,6 +262,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     attention: AttentionConfig = AttentionConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,6 +275,7 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "optimizer": OptimizerConfig,
     "attention": AttentionConfig,
+    "pipeline": PipelineConfig,
 }
 
 

@@ -41,7 +41,9 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
     per layer forward and twice backward; expert parallelism moves dispatched tokens by all-to-all;
-    context parallelism moves keys and values (spmd/context.py's three modes)."""
+    context parallelism moves keys and values (spmd/context.py's three modes); pipeline
+    parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
+    forward, and their gradients back."""
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
     expert_axes = plan.rules.mapping.get("expert", ())
@@ -50,7 +52,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     )
     grad_axes = batch_axes + seq_axes
     m = cfg.model
-    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0}
+    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0, "stage": 0.0}
     for p in plan.params:
         axes = [a for e in p.spec for a in spec_axes(e)]
         shard = axes_size(sizes, axes)
@@ -104,7 +106,40 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
         buffer = cfg.train.global_batch_size // dp * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
         out["expert"] = 4 * layer_groups(m)[0] * buffer * (n_ep - 1) / n_ep
+    schedule = plan.schedule
+    if schedule is not None:
+        # Every row of the device's batch enters each of its stage's R layer groups once: its
+        # activations sent on once per repeat, forward, and their gradient back.
+        out["stage"] = 2 * schedule.repeats * B * T * m.d_model * np.dtype(m.dtype).itemsize
     return out
+
+
+def pipeline_report(plan, rows) -> dict | None:
+    """The schedule, its bubble fraction ((S-1)/(M R + S-1)) and what the compiled step sends
+    between stages (collective-permutes over the stage axes), or None without a pipeline."""
+    schedule = plan.schedule
+    if schedule is None:
+        return None
+    permute = sum(
+        r["volume_bytes"]
+        for r in rows
+        if r["kind"] == "collective-permute" and set(r["axes"]) <= set(schedule.axes)
+    )
+    other = sum(
+        r["volume_bytes"]
+        for r in rows
+        if r["kind"] != "collective-permute" and set(r["axes"]) & set(schedule.axes)
+    )
+    return {
+        "schedule": schedule.name,
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "repeats": schedule.repeats,
+        "iterations": schedule.iterations,
+        "bubble_fraction": schedule.bubble_fraction,
+        "collective_permute_bytes": permute,
+        "other_stage_bytes": other,
+    }
 
 
 class DoesNotFit(UserError):
@@ -129,13 +164,15 @@ def peak_bytes(mem, host: int = 0) -> int:
 
 
 def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
-    """Roofline step time: compute at `hw["peak"]` plus each axis's bytes (default: the analytic
-    minimum) over its link, ICI or, for the outermost axes spanning `dcn` hosts, DCN."""
+    """Roofline step time: compute at `hw["peak"]` (stretched by a pipeline's bubble: each stage
+    idles (S-1)/(M R + S-1) of the step) plus each axis's bytes (default: the analytic minimum)
+    over its link, ICI or, for the outermost axes spanning `dcn` hosts, DCN."""
     from models.llama import flops_per_token
 
     sizes = dict(plan.mesh.shape)
     compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
-    compute_s = compute / plan.mesh.size / hw["peak"]
+    bubble = plan.schedule.bubble_fraction if plan.schedule is not None else 0.0
+    compute_s = compute / plan.mesh.size / hw["peak"] / (1 - bubble)
     volume = volume if volume is not None else analytic_minimum(cfg, plan)
     # With several hosts, the outermost axes (data, then fsdp, in MESH_AXES order) are the ones that span them.
     remaining, dcn_axes = dcn, set()
@@ -148,6 +185,7 @@ def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
         "compute_s": compute_s,
         "comm_s": comm_s,
         "step_s": compute_s + comm_s,
+        "bubble_fraction": bubble,
         "dcn_axes": sorted(dcn_axes),
     }
 
@@ -241,6 +279,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     flops = flops_per_token(cfg.model, T) * B * T
     slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     peak = peak_bytes(mem, host)
+    text = compiled.as_text()
     return {
         "config": cfg.name,
         "platform": mesh.devices.flat[0].platform,
@@ -269,6 +308,9 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "optimizer_state_by_kind": state["optimizer_state_by_kind"],
         "model_flops_per_step": flops,
         "model_flops_per_device": flops / mesh.size,
+        # What the program runs: recomputation and idle pipeline stages included.
+        "compiled_matmul_flops_per_device": hlo.matmul_flops(text),
+        "pipeline": pipeline_report(plan, rows),
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),
         "analytic_minimum_bytes": minimum,

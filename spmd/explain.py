@@ -21,6 +21,7 @@ What matches nothing is listed as unexplained, never guessed.
 
 import collections
 import math
+import re
 
 from spmd.mesh import axes_size, spec_axes
 
@@ -101,6 +102,19 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
             if c.kind in ("all-reduce", "reduce-scatter") and token_names:
                 return _rule(token_names, axes), "gradients reduced"
 
+    schedule = getattr(plan, "schedule", None)
+    if schedule is not None and set(axes) <= set(schedule.axes):
+        if c.kind == "collective-permute" and "ppermute" in c.op_name:
+            return _rule(["layers"], axes), "pipeline: each microbatch's activations to the next stage"
+        sizes = dict(plan.mesh.shape)
+        rows = cfg.train.global_batch_size // cfg.train.microbatches
+        rows //= axes_size(sizes, [a for a in rules.mapping.get("batch", ()) if a in sizes])
+        buffer = (schedule.microbatches, rows // schedule.microbatches, cfg.train.seq_len, cfg.model.d_model)
+        if any(_squeeze(shape) == _squeeze(buffer) for shape in shapes):
+            return _rule(["layers"], axes), (
+                "pipeline: the last stage's outputs to every stage (forward) and the first stage's "
+                "input gradients from it (backward); embedding and head run on every stage"
+            )
     if "ppermute" in c.op_name and "shard_map" in c.op_name and _names_on(rules, axes, ("seq",)):
         return _rule(_names_on(rules, axes, ("seq",)), axes), "keys and values passed around the ring"
     if "_take" in c.op_name:  # the embedding lookup (jnp.take on the vocab-by-embed table)
@@ -108,13 +122,35 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         names = _names_on(rules, axes, embed.logical if embed else ()) or token_names
         if names:
             return _rule(names, axes), "embedding lookup: token ids and rows moved"
+        if embed is not None:
+            return (
+                f"{'/'.join(embed.logical)} (moved over {','.join(axes)})",
+                "embedding lookup split by the partitioner over devices that hold the table whole",
+            )
 
+    source = c.op_name.replace("\\", "")  # HLO metadata escapes the quotes
+    if source.startswith("state['params']"):
+        # A parameter read straight from the step's inputs and moved over axes its rules do not
+        # split it along: the partitioner splitting the work of a replicated parameter (the
+        # embedding lookup, the output head) across those devices.
+        path = "/".join(re.findall(r"\['([^']+)'\]", source)[1:])
+        p = next((p for p in plan.params if p.path == path), None)
+        if p is not None:
+            return (
+                f"{'/'.join(n for n in p.logical if n)} (moved over {','.join(axes)})",
+                "weights moved: the partitioner splits the parameter's work over devices that hold it whole",
+            )
     sizes = dict(plan.mesh.shape)
     batch_split = axes_size(sizes, [a for a in rules.mapping.get("batch", ()) if a in sizes])
     B = max(1, cfg.train.global_batch_size // cfg.train.microbatches // batch_split)
     T, D = cfg.train.seq_len, cfg.model.d_model
     seq_split = axes_size(sizes, [a for a in rules.mapping.get("seq", ()) if a in sizes])
     token_counts = {B * T, B * (T // seq_split), B * (T // max(1, axes_size(sizes, axes)))}
+    if schedule is not None and in_layers:
+        # Inside the pipeline: one microbatch's rows, under the stage axis the vmap adds (size 1).
+        B = max(1, B // schedule.microbatches)
+        token_counts = {n // schedule.microbatches for n in token_counts} | token_counts
+        shapes = tuple(s[1:] if len(s) > 1 and s[0] == 1 else s for s in shapes)
     for shape in shapes:
         if math.prod(shape) <= 1 or (math.prod(shape) in token_counts and shape[-1] != D):
             # Scalars (loss, token counts, norms) and per-token statistics (softmax max/sum).

@@ -237,3 +237,35 @@ def summarize(items: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict
         row["count"] += c.count
         row["bytes"] += c.bytes * c.count
     return dict(table)
+
+
+def matmul_flops(text: str) -> float:
+    """FLOPs of every dot in the optimised module per step (per device): 2 x result elements x
+    contracted size, weighted by the trip counts of the loops around it. Counts what the program
+    runs, idle pipeline stages and recomputation included, where model FLOPs count the math."""
+    comps, entry = _computations(text)
+    mult = _multipliers(comps, entry)
+    total = 0.0
+    for comp, lines in comps.items():
+        if not mult.get(comp):
+            continue
+        shapes = {}
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                shapes[m.group(1)] = m.group(2)
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m or m.group(3) != "dot":
+                continue
+            lhs = re.match(r"\s*%([\w.\-]+)", m.group(4))
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", m.group(4))
+            lhs_dims = _ARRAY.findall(shapes.get(lhs.group(1), "")) if lhs else []
+            out_dims = _ARRAY.findall(m.group(2))
+            if not (lhs_dims and out_dims and contracting):
+                continue
+            lhs_shape = [int(d) for d in lhs_dims[0][1].split(",") if d]
+            k = math.prod(lhs_shape[int(i)] for i in contracting.group(1).split(",") if i)
+            n_out = math.prod(int(d) for d in out_dims[0][1].split(",") if d)
+            total += 2.0 * n_out * k * mult[comp]
+    return total

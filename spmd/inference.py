@@ -80,6 +80,7 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
         batch_size=batch if batch is not None else cfg.train.global_batch_size,
     )
     params, meta = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
+    params = setup.plan.from_canonical(params, setup.plan.param_shardings)  # checkpoints: canonical order
     return Loaded(setup, latest, meta, params, ckpt.run_dir_of(directory))
 
 

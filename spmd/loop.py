@@ -317,12 +317,15 @@ class CheckpointHook(Hook):
 
     bucket = "checkpoint"
 
-    def __init__(self, checkpointer, every: int, meta):
-        """`meta(step) -> dict`: the metadata saved with the step (spmd.checkpoint.step_meta)."""
+    def __init__(self, checkpointer, every: int, meta, canonical=None):
+        """`meta(step) -> dict`: the metadata saved with the step (spmd.checkpoint.step_meta);
+        `canonical(state)`: the state in canonical layer order (Trainer.to_canonical), which
+        checkpoints hold whatever the pipeline schedule."""
         self.checkpointer, self.every, self.meta = checkpointer, every, meta
+        self.canonical = canonical or (lambda state: state)
 
     def __call__(self, info: StepInfo) -> None:
-        self.checkpointer.save(info.step, info.state, self.meta(info.step))
+        self.checkpointer.save(info.step, self.canonical(info.state), self.meta(info.step))
         if info.stopping:
             self.checkpointer.wait()
 

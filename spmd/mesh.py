@@ -15,8 +15,10 @@ from jax.sharding import AxisType, Mesh
 from spmd.errors import UserError, closest
 
 # Order matters: later axes are innermost, i.e. neighbouring devices. Tensor parallelism talks the
-# most per step, so it gets the fastest links; data parallelism the least.
-MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+# most per step, so it gets the fastest links; pipeline stages (one activation per microbatch
+# to the next stage) and data parallelism the least, so `--dcn-mesh stage=2` puts stages across
+# processes or slices.
+MESH_AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")
 
 
 def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:

@@ -3,13 +3,14 @@
     spmd-plan --config llama-70b --devices 256 --memory-per-device 80GiB [--dcn 4] [--hardware h100]
 
 1. Enumerate meshes (factorisations of N over data, fsdp and tensor; expert too for MoE models;
-   any of the five axes with --axes) with the presets whose axes cover them (dp, dp_zero1, fsdp, tp, tp_zero1,
-   fsdp_tp, tp_sp, fsdp_tp_sp, ep, fsdp_ep, cp_ring, cp_ulysses); reject those the rules cannot
-   shard (divisibility).
+   any of the six axes with --axes, e.g. `--axes data,fsdp,tensor,stage` for pipelines) with the
+   presets whose axes cover them (dp, dp_zero1, fsdp, tp, tp_zero1, fsdp_tp, tp_sp, fsdp_tp_sp,
+   ep, fsdp_ep, cp_ring, cp_ulysses, pp, pp_fsdp, pp_fsdp_tp); reject those the rules cannot
+   shard (divisibility) or the pipeline cannot schedule ([pipeline] of the config).
 2. Prune by analytic memory: parameters + gradients + optimizer state per device must fit.
 3. Rank the rest by a roofline step time: model FLOPs / peak + analytic collective bytes / link
    bandwidth (axes that span hosts, with --dcn, use the DCN bandwidth), compute and communication
-   not overlapped (a conservative bound).
+   not overlapped (a conservative bound); a pipeline's compute is stretched by its bubble.
 4. Dry-run (compile, nothing allocated) down the ranking until --candidates layouts fit (at most
    --max-compiles): reject any whose compiled peak (spmd.dryrun.peak_bytes) exceeds the budget, re-rank
    with the collective bytes the compiled step really sends, and print the top five with their
@@ -38,6 +39,9 @@ PRESET_AXES = {
     "fsdp_ep": {"data", "fsdp", "expert", "tensor"},
     "cp_ring": {"data", "fsdp", "context", "tensor"},
     "cp_ulysses": {"data", "fsdp", "context", "tensor"},
+    "pp": {"stage", "data"},
+    "pp_fsdp": {"stage", "data", "fsdp"},
+    "pp_fsdp_tp": {"stage", "data", "fsdp", "tensor"},
 }
 REQUIRED = {
     "dp": set(),
@@ -52,6 +56,9 @@ REQUIRED = {
     "fsdp_ep": {"fsdp", "expert"},
     "cp_ring": {"context"},
     "cp_ulysses": {"context"},
+    "pp": {"stage"},
+    "pp_fsdp": {"stage", "fsdp"},
+    "pp_fsdp_tp": {"stage", "fsdp", "tensor"},
 }
 
 

@@ -91,7 +91,15 @@ class Rules:
         """These rules for KV-cache decoding, which feeds one position per step: nothing to split along
         the sequence. Mesh axes that split only the sequence (context parallelism) split the batch
         instead, so they still do work; axes shared with other names (Megatron SP's `tensor`) keep
-        their other jobs."""
+        their other jobs. Decoding runs no pipeline: the layer stack is not split, and the axes
+        that split it (`stage`) split the batch instead."""
+        layer_axes = self.mapping.get("layers", ())
+        if layer_axes:
+            mapping = dict(self.mapping, layers=())
+            for name in ("batch", "act_moe_batch"):
+                if name in mapping:
+                    mapping[name] = tuple(layer_axes) + tuple(mapping[name])
+            return dataclasses.replace(self, mapping=mapping).for_decoding()
         seq_axes = tuple(dict.fromkeys(self.mapping.get("seq", ()) + self.mapping.get("act_seq", ())))
         if not seq_axes:
             return self

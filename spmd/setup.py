@@ -120,6 +120,7 @@ def assemble(
         cfg.train.global_batch_size,
         1 if decoding else cfg.train.seq_len,  # decoding feeds one position per step
         cfg.train.microbatches,
+        cfg.pipeline,
     )
     return Setup(
         cfg=cfg,

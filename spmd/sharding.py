@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import context, moe
+from spmd import context, moe, pipeline
 from spmd import rules as rules_lib
 from spmd.errors import UserError
 from spmd.logical import TOKEN_AXES, activation_sharding
@@ -24,10 +24,11 @@ from spmd.mesh import axes_size, format_axes, format_mesh, spec_axes
 PARALLEL_OPS = {"context_attention": context.context_attention, "dropless_moe": moe.dropless}
 
 
-def activate(rules, mesh):
+def activate(rules, mesh, schedule: pipeline.Schedule | None = None):
     """Context in which a model traced constrains its activations by `rules` on `mesh` and finds
-    the parallel implementations it may need."""
-    return activation_sharding(rules, mesh, PARALLEL_OPS)
+    the parallel implementations it may need (the pipeline's when there is a `schedule`)."""
+    ops = PARALLEL_OPS if schedule is None else {**PARALLEL_OPS, "pipeline": pipeline.provider(schedule)}
+    return activation_sharding(rules, mesh, ops)
 
 
 # Share of parameter bytes that may stay replicated on a multi-device mesh before we warn.
@@ -83,6 +84,11 @@ class ShardingPlan:
     param_shardings: dict  # pure dict of NamedSharding, same structure as the params
     batch_sharding: NamedSharding  # (batch, seq) token arrays
     replicated: NamedSharding
+    schedule: pipeline.Schedule | None = None  # pipeline parallelism over `stage`, if the mesh has it
+    # The stacked-layer parameters (path -> leading size) and, where the stored order
+    # of their layer groups is not the canonical one (circular pipeline), that order.
+    layered: dict = dataclasses.field(default_factory=dict)
+    layer_order: np.ndarray | None = None
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -115,11 +121,43 @@ class ShardingPlan:
 
     def activate(self):
         """Context for tracing the model under this plan's rules and mesh (see `activate`)."""
-        return activate(self.rules, self.mesh)
+        return activate(self.rules, self.mesh, self.schedule)
 
     def init_params(self, seed: int):
-        """Real parameters (pure dict) of this plan's model; call under jit with `param_shardings`."""
-        return init_params(self.model_cls, self.model_cfg, seed)
+        """Real parameters (pure dict) of this plan's model, in stored layer order; call under jit
+        with `param_shardings`."""
+        return self.from_canonical(init_params(self.model_cls, self.model_cfg, seed))
+
+    def from_canonical(self, tree, shardings=None):
+        """Parameters (or a state holding them) in canonical layer order -> as this plan stores
+        them (the circular pipeline's order); identity for any other plan. Traceable; given
+        `shardings` (the tree's), concrete arrays are permuted by a jitted program onto them."""
+        return self._reorder(tree, self.layer_order, shardings)
+
+    def to_canonical(self, tree, shardings=None):
+        """The inverse of `from_canonical`: the order checkpoints hold."""
+        order = None if self.layer_order is None else np.argsort(self.layer_order)
+        return self._reorder(tree, order, shardings)
+
+    def _reorder(self, tree, order, shardings):
+        if order is None:
+            return tree
+        # Each leaf stacked like a layer parameter (the parameter, its optimizer moments) permuted.
+        rows = jax.tree_util.tree_map_with_path(
+            lambda path, _: self.layered.get(path_str(path), 0), self.abstract_params
+        )
+
+        def permute(t):
+            return like_params(
+                t,
+                rows,
+                lambda leaf, n: (
+                    pipeline.permute_leading(leaf, order) if n and leaf.shape[:1] == (n,) else leaf
+                ),
+                None,
+            )
+
+        return permute(tree) if shardings is None else jax.jit(permute, out_shardings=shardings)(tree)
 
 
 def _local_shape(shape, spec, sizes) -> tuple[int, ...]:
@@ -137,8 +175,10 @@ def plan(
     global_batch_size: int,
     seq_len: int,
     microbatches: int = 1,
+    pipeline_cfg=None,
 ) -> ShardingPlan:
-    """Validate the rules against the model and mesh, and resolve every sharding."""
+    """Validate the rules against the model and mesh, and resolve every sharding. `pipeline_cfg`
+    (spmd.config.PipelineConfig) is the schedule when the rules split `layers` over `stage`."""
     graphdef, abstract = abstract_model(model_cls, model_cfg)
     sizes = mesh.shape
     flat = [(path_str(path), var) for path, var in nnx.to_flat_state(abstract)]
@@ -160,6 +200,18 @@ def plan(
                 f"model.n_experts ({model_cfg.n_experts}) does not divide by the expert mesh axes "
                 f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis"
             )
+    # Parameters stacked over layers: the leading axis holds G layer groups (the smallest such
+    # stack: an MoE model keeps its dense layers of a group in another stack of k * G).
+    layered = {p: shapes[p][0] for p in specs if specs[p] and specs[p][0] == "layers"}
+    groups = min(layered.values(), default=0)
+    schedule = pipeline.schedule_for(
+        pipeline_cfg,
+        mesh,
+        rules,
+        groups,
+        micro,
+        getattr(model_cfg, "n_layers", groups),
+    )
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     problems = context.check(rules, mesh, model_cfg.n_heads, model_cfg.n_kv_heads, seq_len)
     if problems:
@@ -200,6 +252,9 @@ def plan(
         param_shardings=param_shardings,
         batch_sharding=rules.sharding(mesh, TOKEN_AXES),
         replicated=NamedSharding(mesh, PartitionSpec()),
+        schedule=schedule,
+        layered=layered,
+        layer_order=pipeline.layer_order(groups, schedule),
     )
 
 
@@ -225,7 +280,7 @@ def update_sharding(rules, mesh, sharding: NamedSharding, shape: tuple[int, ...]
 
 def like_params(state, params, f, default):
     """Map each leaf of `state` (an optimizer state) to f(leaf, its parameter), or to `default`
-    where no parameter matches. A leaf's parameter is the one whose path (dict keys) ends the
+    where no parameter matches (None: the leaf itself). A leaf's parameter is the one whose path (dict keys) ends the
     leaf's path: optax states hold trees shaped like the parameters under wrappers (chain, masks,
     partitions such as Muon's), possibly with some parameters left out, which
     `optax.tree_map_params` cannot map."""
@@ -242,7 +297,7 @@ def like_params(state, params, f, default):
             p = by_path.get(tuple(keys[-n:]))
             if p is not None:
                 return f(leaf, p)
-        return default
+        return leaf if default is None else default
 
     return jax.tree_util.tree_map_with_path(one, state)
 

@@ -189,6 +189,15 @@ class Trainer:
     init_state: object  # jitted () -> state
     state_from_params: object  # jitted params -> state with fresh optimizer state at step 0
 
+    def to_canonical(self, state):
+        """The train state with its layer stacks in canonical order (what checkpoints hold): new
+        arrays under a circular pipeline's permuted storage, `state` itself otherwise."""
+        return self.plan.to_canonical(state, self.state_shardings)
+
+    def from_canonical(self, state):
+        """The inverse of `to_canonical` (after a restore)."""
+        return self.plan.from_canonical(state, self.state_shardings)
+
     @functools.cached_property
     def abstract_state(self):
         """The state as ShapeDtypeStructs carrying its shardings: a restore target, a compile input."""

@@ -65,6 +65,28 @@ ERROR_CASES = {
         ["--mesh", "data=2,context=4", "--rules", "cp_ulysses"],
         "ulysses context parallelism over context=4 splits the heads 4 ways",
     ),
+    # Pipeline parallelism (spmd/pipeline.py).
+    "layers indivisible by stages x repeats": (
+        [
+            "--mesh",
+            "stage=2,data=4",
+            "--rules",
+            "pp",
+            "--set",
+            "pipeline.schedule=circular",
+            "--set",
+            "pipeline.repeats=2",
+        ],
+        "model.n_layers (2) does not divide into 2 stages x 2 repeats = 4 equal parts",
+    ),  # fmt: skip
+    "fewer microbatches than stages": (
+        ["--mesh", "stage=2,data=4", "--rules", "pp", "--set", "pipeline.microbatches=1"],
+        "pipeline.microbatches (1) must be at least the number of stages (2)",
+    ),
+    "stage without a pipeline preset": (
+        ["--mesh", "stage=2,fsdp=4", "--rules", "fsdp"],
+        "the mesh has stage=2 but rules 'fsdp' do not map the logical axis `layers` to it",
+    ),
     "unknown context_parallel": (
         ["--set", "attention.context_parallel=ulyses"],
         "attention.context_parallel must be one of ring, ulysses, allgather",

@@ -10,7 +10,7 @@ from spmd.rules import load_rules, presets, rules_table, validate
 
 def test_mesh_fill_and_defaults(devices):
     mesh = build_mesh("data=2,fsdp=-1,tensor=2")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
     assert mesh.axis_names == MESH_AXES
     assert all(t.name == "Auto" for t in mesh.axis_types)
     assert dict(build_mesh("", devices=devices[:1]).shape) == dict.fromkeys(MESH_AXES, 1)

@@ -78,7 +78,8 @@ def test_two_slices_compile_with_the_dcn_mesh_across_them():
 
     s = assemble("tiny", "fsdp=4", "fsdp", devices=devices, dcn_mesh="data=2")
     assert s.mesh.shape["data"] == 2  # data index i holds exactly slice i's chips
-    assert [{d.slice_index for d in s.mesh.devices[i].flat} for i in range(2)] in ([{0}, {1}], [{1}, {0}])
+    by_data = [s.mesh.devices.take(i, axis=s.mesh.axis_names.index("data")) for i in range(2)]
+    assert [{d.slice_index for d in part.flat} for part in by_data] in ([{0}, {1}], [{1}, {0}])
     r = dry_run(s)
     assert r["notes"] == ["2 slices: transfers between slices (DCN) are not counted below"]
     assert r["chip_estimate"]["dcn_axes"] == ["data"]

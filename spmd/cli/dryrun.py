@@ -94,7 +94,18 @@ def print_report(r: dict) -> None:
     print(
         f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
         f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
+        f"  compiled matmuls {r['compiled_matmul_flops_per_device'] / 1e9:,.3f} GFLOP per step per device "
+        f"(what runs: recomputation and idle pipeline stages included)\n"
     )
+    pp = r.get("pipeline")
+    if pp:
+        print(
+            f"pipeline: {pp['schedule']}, {pp['stages']} stages x {pp['microbatches']} microbatches"
+            + (f" x {pp['repeats']} repeats" if pp["repeats"] > 1 else "")
+            + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = (S-1)/(M*R+S-1)\n"
+            f"  sent to the next stage (collective-permutes): {fmt_bytes(pp['collective_permute_bytes'])} "
+            f"per device; other collectives over stage: {fmt_bytes(pp['other_stage_bytes'])}\n"
+        )
     est = r.get("chip_estimate")
     if est:
         print(

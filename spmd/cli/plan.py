@@ -99,6 +99,7 @@ def run(args) -> int:
         print(
             f"  {i}. --mesh {c['mesh']} --rules {c['rules']}: est. step {_t(c['step_s'])} "
             f"(compute {_t(c['compute_s'])} + comm {_t(c['comm_s'])}"
+            + (f", pipeline bubble {c['bubble_fraction']:.0%} counted" if c.get("bubble_fraction") else "")
             + (f", DCN axes {','.join(c['dcn_axes'])}" if c["dcn_axes"] else "")
             + f"); needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}"
         )

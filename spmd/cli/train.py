@@ -337,6 +337,11 @@ def describe_run(
         f"mesh: {format_mesh(setup.mesh.shape)} over {len(devices)} {devices[0].platform} devices "
         f"({n_proc} process{'es' if n_proc > 1 else ''}); rules: {setup.rules.name}",
         f"per device: params {fmt_bytes(plan.param_bytes_per_device)}, optimizer state {fmt_bytes(opt_bytes)}",
+        *(
+            [f"pipeline: {plan.schedule.describe()}; MFU counts model FLOPs, not idle stages"]
+            if plan.schedule
+            else []
+        ),
         *filter(None, [plan.replication_warning()]),
         *notes,
         f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens",
@@ -399,6 +404,7 @@ def train(
             checkpointer,
             cfg.checkpoint.every,
             lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals()),
+            setup.trainer.to_canonical,
         )
     )
     if profile is not None and is_main:

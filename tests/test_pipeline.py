@@ -1,0 +1,188 @@
+"""Pipeline parallelism over `stage` (spmd/pipeline.py): GPipe and circular schedules train like
+one device, checkpoints move in and out of a pipeline in canonical layer order, and the compiled
+step sends and computes what the schedule says."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import run_training
+from test_cli import spmd_train
+
+from spmd.config import load_config
+from spmd.dryrun import dry_run, estimate
+from spmd.pipeline import layer_order
+from spmd.rules import load_rules
+from spmd.setup import assemble
+
+DEEP = ["model.n_layers=8"]
+
+
+def _n_devices(mesh: str) -> int:
+    return math.prod(int(part.split("=")[1]) for part in mesh.split(",") if part)
+
+
+@pytest.fixture(scope="module")
+def deep_single(devices):
+    """`tiny` with 8 layers, 10 steps on one device."""
+    return run_training(load_config("tiny", DEEP), "", "fsdp", 10, devices[:1])
+
+
+LAYOUTS = [
+    ("pp", "stage=2", ["pipeline.microbatches=4"]),
+    ("pp", "stage=4", ["pipeline.microbatches=8"]),
+    ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", ["pipeline.microbatches=4"]),
+    # Circular: each of 4 stages holds 2 non-adjacent layers (stored permuted); with remat.
+    (
+        "pp",
+        "stage=4,data=2",
+        ["pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=4", "model.remat=full"],
+    ),  # fmt: skip
+    # Inside gradient accumulation: 2 accumulation microbatches, each piped as 2.
+    ("pp_fsdp", "stage=2,fsdp=2", ["pipeline.microbatches=2", "train.microbatches=2"]),
+]
+
+
+@pytest.mark.parametrize("rules,mesh,overrides", LAYOUTS, ids=[f"{r}-{m}-{o[0]}" for r, m, o in LAYOUTS])
+def test_pipeline_trains_like_one_device(deep_single, devices, rules, mesh, overrides):
+    ref_losses, ref_params, _ = deep_single
+    cfg = load_config("tiny", DEEP + overrides)
+    losses, params, trainer = run_training(cfg, mesh, rules, 10, devices[: _n_devices(mesh)])
+    assert trainer.plan.schedule is not None and trainer.plan.schedule.stages == int(mesh.split(",")[0][6:])
+    assert losses[-1] < losses[0] - 0.5, "tiny should learn within 10 steps"
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    params = trainer.plan.to_canonical(params)  # stored permuted under the circular schedule
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(devices):
+    """An MoE model's pipeline microbatches route (and balance) their tokens apart, as gradient
+    accumulation's do: the reference is one device with train.microbatches = M."""
+    moe = ["model.n_layers=4"]
+    ref_losses, ref_params, _ = run_training(
+        load_config("tiny-moe", [*moe, "train.microbatches=2"]), "", "fsdp", 10, devices[:1]
+    )
+    cfg = load_config("tiny-moe", [*moe, "pipeline.microbatches=2"])
+    losses, params, trainer = run_training(cfg, "stage=2,fsdp=4", "pp_fsdp", 10, devices)
+    assert trainer.plan.schedule.stages == 2
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_circular_layer_order_gives_each_stage_its_round_robin_groups():
+    # 8 groups, 2 stages, 2 repeats: stage 0 runs groups 0-1 (repeat 0) and 4-5 (repeat 1).
+    from spmd.pipeline import Schedule
+
+    order = layer_order(8, Schedule(stages=2, microbatches=2, repeats=2))
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert layer_order(8, Schedule(stages=2, microbatches=2)) is None  # GPipe: stored in order
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_checkpoint_moves_out_of_and_into_a_pipeline(tmp_path, deep_single):
+    """Circular stage=4 -> fsdp=8 (no pipeline) -> GPipe stage=2 with tensor: the moved run continues
+    with the unmoved run's losses (checkpoints hold the canonical layer order)."""
+    ref_losses = deep_single[0]
+    common = ["--config", "tiny", "--host-devices", "8", "--set", "model.n_layers=8", "--set",
+              "train.schedule_steps=40", "--set", "checkpoint.every=2", "--log-every", "1"]  # fmt: skip
+    legs = [
+        (
+            "stage=4,data=2",
+            "pp",
+            [
+                "--set",
+                "pipeline.schedule=circular",
+                "--set",
+                "pipeline.repeats=2",
+                "--set",
+                "pipeline.microbatches=4",
+            ],
+            2,
+        ),  # fmt: skip
+        ("fsdp=8", "fsdp", [], 4),
+        ("stage=2,tensor=2,data=2", "pp_fsdp_tp", ["--set", "pipeline.microbatches=2"], 6),
+    ]
+    losses, previous = {}, None
+    for i, (mesh, rules, extra, steps) in enumerate(legs):
+        run_dir = tmp_path / f"leg{i}"
+        resume = ["--resume-from", str(previous)] if previous else []
+        result = spmd_train(*common, "--mesh", mesh, "--rules", rules, *extra, "--steps", str(steps),
+                            "--run-dir", str(run_dir), *resume)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        losses.update({r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r})
+        previous = run_dir
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([losses[s] for s in range(1, 7)], ref_losses[:6], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pipelined_dry_runs(devices):
+    """Dry-runs of `tiny` (8 layers) under GPipe on stage=2,data=4 with M = 4 and 8, and the same
+    per-device rows without a pipeline (data=4 on 4 devices)."""
+    out = {}
+    for m in (4, 8):
+        setup = assemble("tiny", "stage=2,data=4", "pp", overrides=[*DEEP, "train.global_batch_size=32",
+                         f"pipeline.microbatches={m}"], devices=devices)  # fmt: skip
+        out[m] = (setup, dry_run(setup, explain=True))
+    setup = assemble(
+        "tiny", "data=4", "dp", overrides=[*DEEP, "train.global_batch_size=32"], devices=devices[:4]
+    )
+    out["dp"] = (setup, dry_run(setup))
+    return out
+
+
+def test_pipelined_step_sends_activations_between_stages_only_by_collective_permute(pipelined_dry_runs):
+    setup, r = pipelined_dry_runs[4]
+    pp = r["pipeline"]
+    S, M = 2, 4
+    assert pp["bubble_fraction"] == (S - 1) / (M + S - 1) and pp["iterations"] == M + S - 1
+    over_stage = [c for c in r["collectives"] if "stage" in c["axes"]]
+    permutes = [c for c in over_stage if c["kind"] == "collective-permute"]
+    assert permutes and all(c["axes"] == ["stage"] for c in permutes)
+    # One microbatch's (b, T, D) fp32 activations per iteration, forward and (gradients) backward.
+    b = 32 // 4 // M  # rows per microbatch on one device (batch split over data=4)
+    assert pp["collective_permute_bytes"] == 2 * (M + S - 1) * b * 64 * 64 * 4
+    # No weights cross stages: nothing is gathered over `stage`, and every collective over it
+    # is the pipeline's (explained by the layers -> stage rule).
+    assert not [c for c in over_stage if c["kind"] == "all-gather"]
+    stage_rows = [row for row in r["explain"]["rules"] if "stage" in row["rule"].split(" -> ")[1]]
+    assert {row["rule"] for row in stage_rows} == {"layers -> stage"}
+    assert not [u for u in r["explain"]["unexplained"] if "stage" in u["axes"]]
+    assert r["analytic_minimum_bytes"]["stage"] == 2 * (32 // 4) * 64 * 64 * 4
+
+
+def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipelined_dry_runs):
+    """Per device a stage runs its 4 of 8 layers on every microbatch slot, bubble included:
+    F(M) = 4 w (M + S - 1) / M + H, where the unpipelined device runs 8 w + H."""
+    f4 = pipelined_dry_runs[4][1]["compiled_matmul_flops_per_device"]
+    f8 = pipelined_dry_runs[8][1]["compiled_matmul_flops_per_device"]
+    f_dp = pipelined_dry_runs["dp"][1]["compiled_matmul_flops_per_device"]
+    w = (f4 - f8) / (4 * (5 / 4 - 9 / 8))  # one layer's matmuls on the device's rows
+    assert w > 0
+    np.testing.assert_allclose(f_dp - f4, 3 * w, rtol=1e-6)  # 8w - 5w: the bubble costs one layer's work
+    setup, r = pipelined_dry_runs[4]
+    model_per_device = r["model_flops_per_device"]
+    assert f4 > model_per_device  # the model FLOPs leave the idle stages out
+    hw = {"peak": 1e12, "ici": 1e11, "dcn": 1e10}
+    est = estimate(setup.cfg, setup.plan, hw, 1)
+    assert est["bubble_fraction"] == 0.2
+    np.testing.assert_allclose(est["compute_s"], model_per_device / 1e12 / 0.8, rtol=1e-9)
+
+
+def test_planner_searches_stage_and_decoding_runs_without_a_pipeline(devices):
+    from spmd.plan import enumerate_candidates
+
+    cfg = load_config("tiny", DEEP)
+    found = {
+        (m, p) for m, p, setup, _ in enumerate_candidates(cfg, 4, ("stage", "data"), devices[:4]) if setup
+    }
+    assert {("stage=2,data=2", "pp"), ("stage=4", "pp"), ("data=4", "dp")} <= found
+    decoding = load_rules("pp").for_decoding()
+    assert decoding.mapping["layers"] == () and decoding.mapping["batch"][0] == "stage"
