@@ -186,6 +186,8 @@ def collectives(text: str, mesh) -> list[Collective]:
                 continue
             shape, rest = m.group(2), m.group(4)
             arrays = _ARRAY.findall(shape)
+            # The TPU compiler's collective-permute-start also returns two u32[] context scalars.
+            arrays = [a for a in arrays if a != ("u32", "")] if kind == "collective-permute" else arrays
             if op.endswith("-start") and len(arrays) > 1:  # (operands..., results...): count the results
                 shape = " ".join(f"{dt}[{dims}]" for dt, dims in arrays[len(arrays) // 2 :])
             if kind == "collective-permute":
@@ -239,10 +241,11 @@ def summarize(items: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict
     return dict(table)
 
 
-def matmul_flops(text: str) -> float:
+def matmul_flops(text: str) -> float | None:
     """FLOPs of every dot in the optimised module per step (per device): 2 x result elements x
     contracted size, weighted by the trip counts of the loops around it. Counts what the program
-    runs, idle pipeline stages and recomputation included, where model FLOPs count the math."""
+    runs, idle pipeline stages and recomputation included, where model FLOPs count the math.
+    None for a module with convolutions (the TPU compiler's matmuls)."""
     comps, entry = _computations(text)
     mult = _multipliers(comps, entry)
     total = 0.0
@@ -256,15 +259,21 @@ def matmul_flops(text: str) -> float:
                 shapes[m.group(1)] = m.group(2)
         for line in lines:
             m = _INSTR.match(line)
-            if not m or m.group(3) != "dot":
+            if not m or m.group(3) not in ("dot", "convolution"):
                 continue
             lhs = re.match(r"\s*%([\w.\-]+)", m.group(4))
-            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", m.group(4))
             lhs_dims = _ARRAY.findall(shapes.get(lhs.group(1), "")) if lhs else []
             out_dims = _ARRAY.findall(m.group(2))
-            if not (lhs_dims and out_dims and contracting):
+            if not (lhs_dims and out_dims):
                 continue
             lhs_shape = [int(d) for d in lhs_dims[0][1].split(",") if d]
+            if m.group(3) == "convolution":
+                # The TPU compiler writes matmuls (batched ones with dilated, reversed and padded
+                # windows) as convolutions, whose work this parser does not model: no figure.
+                return None
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", m.group(4))
+            if not contracting:
+                continue
             k = math.prod(lhs_shape[int(i)] for i in contracting.group(1).split(",") if i)
             n_out = math.prod(int(d) for d in out_dims[0][1].split(",") if d)
             total += 2.0 * n_out * k * mult[comp]

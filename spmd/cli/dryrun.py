@@ -94,8 +94,12 @@ def print_report(r: dict) -> None:
     print(
         f"  model FLOPs      {r['model_flops_per_device'] / 1e9:,.3f} GFLOP per step "
         f"({r['model_flops_per_step'] / 1e9:,.3f} in all)\n"
-        f"  compiled matmuls {r['compiled_matmul_flops_per_device'] / 1e9:,.3f} GFLOP per step per device "
-        f"(what runs: recomputation and idle pipeline stages included)\n"
+        + (
+            f"  compiled matmuls {r['compiled_matmul_flops_per_device'] / 1e9:,.3f} GFLOP per step per device "
+            f"(what runs: recomputation and idle pipeline stages included)\n"
+            if r["compiled_matmul_flops_per_device"] is not None
+            else "  compiled matmuls n/a (the TPU compiler writes them as convolutions)\n"
+        )
     )
     pp = r.get("pipeline")
     if pp:
