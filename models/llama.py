@@ -291,12 +291,15 @@ class Decoder(nnx.Module):
 
         # Scan inputs, one row per group: the dense layers' state (groups, dense_per_group, ...),
         # the MoE layer's state, and the cache slices of the group's layers.
-        xs, graphdefs = {}, {}
+        # stack_axes: each leaf's logical axes, in leaf order (a group's dense rows get a dimension).
+        xs, graphdefs, stack_axes = {}, {}, {}
         if dense_per_group:
             graphdefs["dense"], state = nnx.split(self.layers)
             xs["dense"] = jax.tree.map(lambda a: a.reshape(groups, dense_per_group, *a.shape[1:]), state)
+            stack_axes["dense"] = _logical_axes(state, lambda axes: (axes[0], None, *axes[1:]))
         if has_moe:
             graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
+            stack_axes["moe"] = _logical_axes(xs["moe"], lambda axes: axes)
         if cache is not None:
             positions_BS = jax.lax.dynamic_update_slice_in_dim(
                 cache.positions_BS, positions_BT, cache.index, axis=1
@@ -346,6 +349,7 @@ class Decoder(nnx.Module):
                 xs,
                 side,
                 x_axes=RESIDUAL_AXES,
+                xs_axes=[axes for key in sorted(xs) for axes in stack_axes[key]],
                 combine_stats=MoEStats.of_microbatches,
             )
             kv_out = None
@@ -366,6 +370,13 @@ class Decoder(nnx.Module):
         else:
             logits_BTV = project(x_BTD, self.head_DV[...].astype(dt))  # BTD,DV->BTV
         return constrain(logits_BTV, LOGITS_AXES), cache, stats
+
+
+def _logical_axes(state, f) -> list[tuple]:
+    """Each variable's logical axes (its `out_sharding` metadata) through `f`, in the order of
+    jax.tree.leaves(state)."""
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [f(tuple(v.get_metadata().get("out_sharding") or ())) for v in variables]
 
 
 def count_params(cfg: ModelConfig, include_embedding: bool = True, active: bool = False) -> int:

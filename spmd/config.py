@@ -234,6 +234,10 @@ class PipelineConfig:
     microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
     schedule: str = "gpipe"  # gpipe | circular
     repeats: int = 1  # circular: layer groups per stage, visited round-robin (divides the bubble)
+    # FSDP inside a stage: gather the stage's weights once per step before the schedule (and
+    # reduce their gradients once after it) instead of in every pipeline iteration. Fewer bytes
+    # sent; the stage's weights and their gradient sums are held unsharded over fsdp meanwhile.
+    gather_once: bool = False
 
     def check(self) -> list[str]:
         problems = []

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.config import PipelineConfig
 from spmd.errors import UserError
 from spmd.logical import active
-from spmd.mesh import axes_size
+from spmd.mesh import axes_size, spec_axes
 
 STAGE_AXIS = "stage"
 
@@ -54,6 +54,7 @@ class Schedule:
     microbatches: int
     repeats: int = 1
     axes: tuple[str, ...] = (STAGE_AXIS,)
+    gather_once: bool = False  # FSDP: weights gathered once per step, not per iteration
 
     @property
     def name(self) -> str:
@@ -120,7 +121,7 @@ def schedule_for(
             f"does not split into {M} pipeline microbatches of a multiple of {dp} (the batch's mesh "
             f"axes); make it a multiple of {M * dp}, or change pipeline.microbatches"
         )
-    return Schedule(S, M, R, split)
+    return Schedule(S, M, R, split, pcfg.gather_once)
 
 
 def layer_order(groups: int, schedule: Schedule | None) -> np.ndarray | None:
@@ -146,12 +147,13 @@ def _stage_spec(schedule: Schedule, ndim: int) -> PartitionSpec:
     return PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (ndim - 1)))
 
 
-def run(layers_fn, x_BTD, xs, side, *, x_axes, combine_stats=None, schedule: Schedule):
+def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None, schedule: Schedule):
     """The layer stack `xs` (leaves with a leading axis of G groups, stored as `layer_order` says)
     applied to `x_BTD` by the pipeline schedule. `layers_fn(x_bTD, xs_rows, side_rows)` runs some
     consecutive groups on some rows and returns (x, stats stacked over the groups or None);
     `side`: per-row inputs of the layers (positions, segment ids; leading axis B, or None);
-    `x_axes`: the residual's logical axes; `combine_stats(sums, M)`: the stats of the whole batch
+    `x_axes`: the residual's logical axes; `xs_axes`: each leaf's of `xs`, in
+    jax.tree.leaves order (needed by `gather_once`); `combine_stats(sums, M)`: the stats of the whole batch
     from their sums over M microbatches. Returns (x_BTD, stats stacked over all G groups in
     canonical order) like a scan over the stack would."""
     rules, mesh = active()
@@ -171,6 +173,19 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, combine_stats=None, schedule: Sch
     w = jax.tree.map(
         lambda a: constrain(a.reshape(S, R, Gps, *a.shape[1:]), _stage_spec(schedule, a.ndim + 2)), xs
     )
+
+    if schedule.gather_once and xs_axes is not None:
+        # The stage's weights unsplit over the batch (FSDP) axes for the whole schedule: one
+        # gather here, and in the backward one reduction of their summed gradients.
+        batch_axes = set(rules.mapping.get("batch", ()))
+
+        def gathered(a, logical):
+            entries = [tuple(x for x in spec_axes(e) if x not in batch_axes) for e in rules.spec(logical[1:])]
+            rest = [None if not e else e[0] if len(e) == 1 else e for e in entries]
+            return constrain(a, PartitionSpec(stage, None, None, *rest))
+
+        leaves, treedef = jax.tree.flatten(w)
+        w = jax.tree.unflatten(treedef, [gathered(a, axes) for a, axes in zip(leaves, xs_axes, strict=True)])
 
     # Microbatch m takes rows m, m + M, m + 2M, ... (as gradient accumulation splits): the reshape
     # keeps each device's rows on that device.

@@ -34,6 +34,7 @@ LAYOUTS = [
     ("pp", "stage=2", ["pipeline.microbatches=4"]),
     ("pp", "stage=4", ["pipeline.microbatches=8"]),
     ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", ["pipeline.microbatches=4"]),
+    ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", ["pipeline.gather_once=true", "pipeline.microbatches=4"]),
     # Circular: each of 4 stages holds 2 non-adjacent layers (stored permuted); with remat.
     (
         "pp",
@@ -174,6 +175,25 @@ def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipel
     est = estimate(setup.cfg, setup.plan, hw, 1)
     assert est["bubble_fraction"] == 0.2
     np.testing.assert_allclose(est["compute_s"], model_per_device / 1e12 / 0.8, rtol=1e-9)
+
+
+def test_gather_once_gathers_fsdp_weights_once_per_step_not_per_iteration(devices):
+    def fsdp_gathers(gather_once):
+        setup = assemble("tiny", "stage=2,fsdp=4", "pp_fsdp", devices=devices, overrides=[
+            *DEEP, "train.global_batch_size=16", "pipeline.microbatches=4", f"pipeline.gather_once={gather_once}"])  # fmt: skip
+        r = dry_run(setup)
+        rows = [c for c in r["collectives"] if c["kind"] == "all-gather" and c["axes"] == ["fsdp"]]
+        return (
+            sum(c["count"] for c in rows),
+            sum(c["volume_bytes"] for c in rows),
+            r["per_device_bytes"]["peak"],
+        )
+
+    (n_each, sent_each, peak_each), (n_once, sent_once, peak_once) = fsdp_gathers(False), fsdp_gathers(True)
+    # Per iteration: each of the stage's weights gathered in every one of the M + S - 1 = 5 iterations,
+    # forward and backward; once: outside the schedule.
+    assert n_once * 10 < n_each and sent_once * 4 < sent_each
+    assert peak_once > peak_each  # the stage's weights (and gradient sums) held whole meanwhile
 
 
 def test_planner_searches_stage_and_decoding_runs_without_a_pipeline(devices):
