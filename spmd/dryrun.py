@@ -51,6 +51,8 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         a for a in plan.rules.mapping.get("seq", ()) if a not in batch_axes and sizes.get(a, 1) > 1
     )
     grad_axes = batch_axes + seq_axes
+    # Pipeline stages hold different layers: a parameter split over them is never gathered.
+    stage_axes = plan.schedule.axes if plan.schedule is not None else ()
     m = cfg.model
     out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0, "stage": 0.0}
     for p in plan.params:
@@ -58,7 +60,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         shard = axes_size(sizes, axes)
         # Sharded over a batch axis: FSDP, gathered for compute. Experts split over an axis that
         # also carries the batch are never gathered (expert parallelism moves tokens instead).
-        f = axes_size(sizes, [a for a in axes if a in batch_axes and a not in expert_axes])
+        f = axes_size(sizes, [a for a in axes if a in batch_axes and a not in expert_axes + stage_axes])
         gathered = p.bytes_total / (shard / f)  # what one device holds after the FSDP gather
         if f > 1:
             # Two gathers of the weights as the model uses them (cast to the compute dtype first:
@@ -68,15 +70,18 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         replicas = axes_size(sizes, [a for a in grad_axes if a not in axes])
         if replicas > 1:
             out["data"] += 2 * (gathered / f) * (replicas - 1) / replicas
-    dp = axes_size(sizes, batch_axes)
+    # Tokens on one device as the layers see them, and the layers it runs: under a pipeline, the
+    # rows of its stage (the stage axes do not split them there) through n_layers / S layers.
+    dp = axes_size(sizes, [a for a in batch_axes if a not in stage_axes])
     n_ctx = axes_size(sizes, seq_axes)
-    B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx  # tokens on one device
+    B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx
+    n_layers = m.n_layers // (plan.schedule.stages if plan.schedule is not None else 1)
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
         # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
         # its bf16 figures run up to 2x over this; the TPU compiler sends them as they are.)
         act = B * T * m.d_model * np.dtype(m.dtype).itemsize
-        out["tensor"] = 4 * m.n_layers * 2 * act * (t - 1) / t
+        out["tensor"] = 4 * n_layers * 2 * act * (t - 1) / t
     if n_ctx > 1:
         # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
         t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1
@@ -94,7 +99,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
             per_layer = 2 * (qo + kv) * (n_ctx - 1) / n_ctx
         else:  # allgather: gather K/V (and positions) forward, reduce-scatter their gradients backward
             per_layer = 2 * (n_ctx - 1) * kv + (n_ctx - 1) * B * T * 4
-        out["context"] = m.n_layers * per_layer
+        out["context"] = n_layers * per_layer
     n_ep = axes_size(sizes, expert_axes)
     if m.n_experts and n_ep > 1:
         # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
@@ -104,8 +109,9 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         from models.moe import capacity
 
         C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
-        buffer = cfg.train.global_batch_size // dp * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
-        out["expert"] = 4 * layer_groups(m)[0] * buffer * (n_ep - 1) / n_ep
+        buffer = B * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
+        stages = plan.schedule.stages if plan.schedule is not None else 1
+        out["expert"] = 4 * layer_groups(m)[0] // stages * buffer * (n_ep - 1) / n_ep
     schedule = plan.schedule
     if schedule is not None:
         # Every row of the device's batch enters each of its stage's R layer groups once: its

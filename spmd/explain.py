@@ -107,13 +107,18 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         if c.kind == "collective-permute" and "ppermute" in c.op_name:
             return _rule(["layers"], axes), "pipeline: each microbatch's activations to the next stage"
         sizes = dict(plan.mesh.shape)
-        rows = cfg.train.global_batch_size // cfg.train.microbatches
-        rows //= axes_size(sizes, [a for a in rules.mapping.get("batch", ()) if a in sizes])
-        buffer = (schedule.microbatches, rows // schedule.microbatches, cfg.train.seq_len, cfg.model.d_model)
-        if any(_squeeze(shape) == _squeeze(buffer) for shape in shapes):
+        rows = cfg.train.global_batch_size // cfg.train.microbatches  # a stage's rows, inside
+        rows //= axes_size(sizes, [a for a in rules.mapping.get("batch", ()) if a not in schedule.axes])
+        T, D = cfg.train.seq_len, cfg.model.d_model
+        buffers = {
+            _squeeze((schedule.microbatches, rows // schedule.microbatches, T, D)),
+            _squeeze((rows, T, D)),
+            _squeeze((rows // schedule.stages, T, D)),  # the rows one stage computes the head of
+        }
+        if any(_squeeze(shape) in buffers for shape in shapes):
             return _rule(["layers"], axes), (
-                "pipeline: the last stage's outputs to every stage (forward) and the first stage's "
-                "input gradients from it (backward); embedding and head run on every stage"
+                "pipeline: the stages' input rows to stage 0 and the outputs from it to the stages "
+                "that compute their head and loss (forward), their gradients back (backward)"
             )
     if "ppermute" in c.op_name and "shard_map" in c.op_name and _names_on(rules, axes, ("seq",)):
         return _rule(_names_on(rules, axes, ("seq",)), axes), "keys and values passed around the ring"

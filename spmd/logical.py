@@ -46,6 +46,15 @@ def activation_sharding(rules, mesh, ops: Mapping[str, Callable] | None = None):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def rules_replaced(rules):
+    """The active mesh and parallel ops under other rules (a pipeline's layers: the stage axis is
+    the vmapped one, so the batch is split over the other axes)."""
+    current = _ACTIVE.get()
+    with activation_sharding(rules, current.mesh, current.ops):
+        yield
+
+
 def active():
     """The (rules, mesh) pair active while tracing, or None (one device, tests, eval_shape)."""
     current = _ACTIVE.get()

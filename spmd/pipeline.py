@@ -23,7 +23,10 @@ contiguous split over `stage` gives each stage its groups; checkpoints hold the 
 A microbatch's output from the last stage reaches stage 0 by the same rotation; stage 0 keeps it
 in a buffer (one slot per microbatch, which first holds the inputs) until its next repeat, and
 after the last repeat the buffer holds the outputs. The embedding, the output head and the loss
-run outside the pipeline, replicated over `stage`.
+run outside the pipeline; the pp presets split their rows over `stage` too (`batch` includes it,
+innermost), so each stage runs them on its share: stage 0 gathers the rows in (one all-gather)
+and hands each stage its outputs back. Inside the pipeline the layers see the rules with the stage
+axes taken out of every name but `layers` (`layer_rules`): there the vmapped dimension is stage.
 
 Legend: S stages, R repeats, G layer groups (Gps = G / (S R) per stage and repeat), M
 microbatches, b rows per microbatch, T sequence, D embed.
@@ -39,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.config import PipelineConfig
 from spmd.errors import UserError
-from spmd.logical import active
+from spmd.logical import active, rules_replaced
 from spmd.mesh import axes_size, spec_axes
 
 STAGE_AXIS = "stage"
@@ -114,7 +117,7 @@ def schedule_for(
             f"model.n_layers ({n_layers}{per}) does not divide into {S} stages x {R} repeats "
             f"= {S * R} equal parts; change model.n_layers, the stage axis or pipeline.repeats"
         )
-    dp = axes_size(mesh.shape, rules.mapping.get("batch", ()))
+    dp = axes_size(mesh.shape, [a for a in rules.mapping.get("batch", ()) if a not in split])
     if batch % M or (batch // M) % dp:
         raise UserError(
             f"the batch of {batch} sequences per step (train.global_batch_size / train.microbatches) "
@@ -142,6 +145,15 @@ def permute_leading(x, order: np.ndarray):
     return jnp.take(grouped, jnp.asarray(order), axis=0).reshape(x.shape)
 
 
+def layer_rules(rules, schedule: Schedule):
+    """`rules` as the layers inside the pipeline see them: the stage axes split only the stack."""
+    mapping = {
+        name: tuple(a for a in axes if a not in schedule.axes) if name != "layers" else axes
+        for name, axes in rules.mapping.items()
+    }
+    return dataclasses.replace(rules, mapping=mapping)
+
+
 def _stage_spec(schedule: Schedule, ndim: int) -> PartitionSpec:
     axes = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes
     return PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (ndim - 1)))
@@ -167,7 +179,11 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     stage = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes
-    res_spec = rules.spec(x_axes)  # (batch, seq, embed) of the residual
+    # Outside the pipeline the batch may be split over the stage axes too (the embedding, head and
+    # loss then split their rows over the stages); inside, each stage holds its microbatch's rows.
+    inner = layer_rules(rules, schedule)
+    res_spec = inner.spec(x_axes)  # (batch, seq, embed) of the residual inside the pipeline
+    x_BTD = constrain(x_BTD, res_spec)  # rows from every stage to all of them (one gather)
 
     # (G, ...) -> (S, R, Gps, ...): contiguous blocks, so the split over `stage` stays where it is.
     w = jax.tree.map(
@@ -217,7 +233,8 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
         return jax.lax.ppermute(x_SbTD, schedule.axes, perm)
 
     def per_stage(w_S, x_SbTD, side_S):
-        return jax.vmap(layers_fn, spmd_axis_name=schedule.axes)(x_SbTD, w_S, side_S)
+        with rules_replaced(inner):
+            return jax.vmap(layers_fn, spmd_axis_name=schedule.axes)(x_SbTD, w_S, side_S)
 
     def stats_shape():
         w0 = jax.tree.map(lambda a: a[:, 0], w)
@@ -263,7 +280,7 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
         iteration, (state_SbTD, buf_SMbTD, stats_acc), jnp.arange(schedule.iterations)
     )
     out_BTD = buf_SMbTD[0].swapaxes(0, 1).reshape(B, T, D)
-    out_BTD = constrain(out_BTD, res_spec)
+    out_BTD = constrain(out_BTD, rules.spec(x_axes))  # each stage keeps its rows of the output
 
     def canonical(acc):  # (S, R, Gps, ...) -> (G, ...) in canonical order: group (r*S + s)*Gps + j
         return acc.swapaxes(0, 1).reshape(G, *acc.shape[3:])

@@ -98,7 +98,7 @@ class Rules:
             mapping = dict(self.mapping, layers=())
             for name in ("batch", "act_moe_batch"):
                 if name in mapping:
-                    mapping[name] = tuple(layer_axes) + tuple(mapping[name])
+                    mapping[name] = tuple(dict.fromkeys(tuple(layer_axes) + tuple(mapping[name])))
             return dataclasses.replace(self, mapping=mapping).for_decoding()
         seq_axes = tuple(dict.fromkeys(self.mapping.get("seq", ()) + self.mapping.get("act_seq", ())))
         if not seq_axes:

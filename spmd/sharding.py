@@ -212,7 +212,16 @@ def plan(
         micro,
         getattr(model_cfg, "n_layers", groups),
     )
-    rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
+    # The KV cache exists only when decoding, which runs under the decoding rules (no pipeline).
+    cache = {k: v for k, v in act_specs.items() if "layers" in v}
+    rules_lib.validate(
+        rules,
+        {**specs, **{k: v for k, v in act_specs.items() if k not in cache}},
+        sizes,
+        {**shapes, **act_shapes},
+    )
+    if cache:
+        rules_lib.validate(rules.for_decoding(), cache, sizes)
     problems = context.check(rules, mesh, model_cfg.n_heads, model_cfg.n_kv_heads, seq_len)
     if problems:
         raise UserError(problems[0])
