@@ -262,7 +262,8 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         ) from None
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    items = hlo.collectives(compiled.as_text(), mesh)
+    text = compiled.as_text()  # printed once: large for big models, read by both parsers
+    items = hlo.collectives(text, mesh)
     sizes = dict(mesh.shape)
     rows = []
     for (kind, axes), v in sorted(hlo.summarize(items).items()):
@@ -285,7 +286,6 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     flops = flops_per_token(cfg.model, T) * B * T
     slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     peak = peak_bytes(mem, host)
-    text = compiled.as_text()
     return {
         "config": cfg.name,
         "platform": mesh.devices.flat[0].platform,

@@ -154,11 +154,6 @@ def layer_rules(rules, schedule: Schedule):
     return dataclasses.replace(rules, mapping=mapping)
 
 
-def _stage_spec(schedule: Schedule, ndim: int) -> PartitionSpec:
-    axes = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes
-    return PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (ndim - 1)))
-
-
 def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None, schedule: Schedule):
     """The layer stack `xs` (leaves with a leading axis of G groups, stored as `layer_order` says)
     applied to `x_BTD` by the pipeline schedule. `layers_fn(x_bTD, xs_rows, side_rows)` runs some
@@ -178,7 +173,7 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
     def constrain(x, spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    stage = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes
+    stage = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes  # a PartitionSpec entry
     # Outside the pipeline the batch may be split over the stage axes too (the embedding, head and
     # loss then split their rows over the stages); inside, each stage holds its microbatch's rows.
     inner = layer_rules(rules, schedule)
@@ -187,7 +182,11 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
 
     # (G, ...) -> (S, R, Gps, ...): contiguous blocks, so the split over `stage` stays where it is.
     w = jax.tree.map(
-        lambda a: constrain(a.reshape(S, R, Gps, *a.shape[1:]), _stage_spec(schedule, a.ndim + 2)), xs
+        lambda a: constrain(
+            a.reshape(S, R, Gps, *a.shape[1:]),
+            PartitionSpec(stage, *[PartitionSpec.UNCONSTRAINED] * (a.ndim + 1)),
+        ),
+        xs,
     )
 
     if schedule.gather_once and xs_axes is not None:
