@@ -20,6 +20,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def state_overrides(layers: int = 2) -> list[str]:
+    """`small` grown to d=1024 (2 layers: ~32M parameters, ~366 MiB with the AdamW moments)."""
+    return [
+        f"model.n_layers={layers}",
+        "model.d_model=1024",
+        "model.n_heads=16",
+        "model.n_kv_heads=8",
+        "model.head_dim=64",
+        "model.d_ff=4096",
+        "model.scan_unroll=1",
+        "train.global_batch_size=4",
+        "train.seq_len=128",
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="/tmp/spmd-bench-ckpt")
@@ -39,17 +54,7 @@ def main() -> None:
         "",
         "dp",
         devices=jax.devices()[:1],
-        overrides=[
-            f"model.n_layers={args.layers}",
-            "model.d_model=1024",
-            "model.n_heads=16",
-            "model.n_kv_heads=8",
-            "model.head_dim=64",
-            "model.d_ff=4096",
-            "model.scan_unroll=1",
-            "train.global_batch_size=4",
-            "train.seq_len=128",
-        ],
+        overrides=state_overrides(args.layers),
     )
     trainer, batches = setup.trainer, setup.batches()
     state = trainer.init_state()

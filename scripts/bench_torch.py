@@ -24,11 +24,12 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
 
 
-def rope(x_BNTH, theta):
+def rope(x_BNTH, theta, positions_T=None):
     T, H = x_BNTH.shape[-2], x_BNTH.shape[-1]
     half = H // 2
     freq = theta ** (-torch.arange(half, dtype=torch.float32) / half)
-    angle = torch.arange(T, dtype=torch.float32)[:, None] * freq[None, :]
+    pos_T = torch.arange(T) if positions_T is None else positions_T
+    angle = pos_T.to(torch.float32)[:, None] * freq[None, :]
     cos, sin = angle.cos(), angle.sin()
     x1, x2 = x_BNTH[..., :half], x_BNTH[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
