@@ -10,7 +10,7 @@ Two dispatch paths compute the same function when nothing is dropped:
   choices before second choices, then in token order). Plain einsums, so GSPMD partitions it:
   with experts sharded over the `expert` mesh axis it exchanges tokens with all-to-all.
 - dropless: token-choices sorted by expert and multiplied with `jax.lax.ragged_dot` (grouped
-  matmul); nothing is dropped. GSPMD cannot partition a sort-and-ragged-dot by expert, so this
+  matmul; on CPU as tiles of one expert's rows, see grouped_swiglu); nothing is dropped. GSPMD cannot partition a sort-and-ragged-dot by expert, so this
   path runs per shard (spmd.moe) and exchanges tokens with an explicit all-to-all.
 
 The router's auxiliary losses: load balance E * sum_e f_e P_e (Switch/GShard; f_e the fraction of
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers import MLP, param
-from spmd.logical import active, constrain, provided
+from spmd.logical import active, constrain, provided, target_platform
 
 DISPATCHED_AXES = ("act_moe_batch", "act_expert", None, "act_embed")  # B E C D, at the experts
 LOCAL_AXES = ("batch", None, None, "act_embed")  # B E C D, where the tokens came from
@@ -159,7 +159,14 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
     each device's tokens and experts."""
     if active() is not None:
         return provided("dropless_moe")(
-            x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, reference=dropless_reference
+            x_BTD,
+            experts_BTk,
+            weights_BTk,
+            w_gate_EDF,
+            w_up_EDF,
+            w_down_EFD,
+            reference=dropless_reference,
+            experts=grouped_swiglu,
         )
     B, T, D = x_BTD.shape
     flat = (x_BTD.reshape(B * T, D), experts_BTk.reshape(B * T, -1), weights_BTk.reshape(B * T, -1))
@@ -176,10 +183,54 @@ def dropless_reference(x_TD, experts_Tk, weights_Tk, w_gate_EDF, w_up_EDF, w_dow
     order_M = jnp.argsort(e_M, stable=True)
     token_M = order_M // k
     sizes_E = jnp.bincount(e_M, length=E).astype(jnp.int32)
-    x_MD = x_TD[token_M]
+    y_MD = grouped_swiglu(x_TD[token_M], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+    w_M = weights_Tk.reshape(-1)[order_M].astype(y_MD.dtype)
+    return jnp.zeros((T, D), y_MD.dtype).at[token_M].add(y_MD * w_M[:, None])
+
+
+# Rows per tile of the CPU grouped matmul below: each expert's group is padded to whole tiles.
+GROUP_TILE = 128
+
+
+def grouped_swiglu(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Each expert's SwiGLU on its rows of x, which are sorted by expert (group e: the next
+    sizes_E[e] rows; rows past the groups give 0): ragged_dot's grouped matmuls, except on CPU."""
+    if target_platform() == "cpu":
+        return _swiglu_in_tiles(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
     h_MF = jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E)) * jax.lax.ragged_dot(
         x_MD, w_up_EDF, sizes_E
     )
-    y_MD = jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)
-    w_M = weights_Tk.reshape(-1)[order_M].astype(y_MD.dtype)
-    return jnp.zeros((T, D), y_MD.dtype).at[token_M].add(y_MD * w_M[:, None])
+    return jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)
+
+
+def _swiglu_in_tiles(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int = GROUP_TILE):
+    """grouped_swiglu as batched matmuls over tiles of `tile` rows that each hold one expert's
+    rows (Megablocks' layout): every group padded to whole tiles, each tile multiplied by its
+    expert's weights.
+
+    XLA:CPU lowers ragged_dot densely (every row against every expert, then a select): E times
+    the FLOPs; the MoE layer of `small-moe` ran 7x slower than PyTorch's (docs/performance.md,
+    issue 19). Tiles cost the padding: at most E tiles beyond ceil(M / tile)."""
+    M, D = x_MD.shape
+    E = sizes_E.shape[0]
+    n = -(-M // tile) + E  # tiles: every group wastes less than one
+    padded_E = -(-sizes_E // tile) * tile
+    pad_start_E = jnp.cumsum(padded_E) - padded_E
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    # Each padded row's expert, its rank in the group, and the sorted row it holds (if any).
+    row_R = jnp.arange(n * tile)
+    expert_R = jnp.clip(jnp.searchsorted(jnp.cumsum(padded_E), row_R, side="right"), 0, E - 1)
+    rank_R = row_R - pad_start_E[expert_R]
+    valid_R = rank_R < sizes_E[expert_R]
+    source_R = jnp.where(valid_R, start_E[expert_R] + rank_R, 0)
+    x_nCD = jnp.where(valid_R[:, None], x_MD[source_R], 0).reshape(n, tile, D)
+    expert_n = expert_R[::tile]
+    h_nCF = jax.nn.silu(jnp.einsum("nCD,nDF->nCF", x_nCD, w_gate_EDF[expert_n])) * jnp.einsum(
+        "nCD,nDF->nCF", x_nCD, w_up_EDF[expert_n]
+    )
+    y_RD = jnp.einsum("nCF,nFD->nCD", h_nCF, w_down_EFD[expert_n]).reshape(n * tile, D)
+    # Back to the sorted rows: row m sits at padded row pad_start + (m - start) of its expert.
+    row_M = jnp.arange(M)
+    expert_M = jnp.clip(jnp.searchsorted(jnp.cumsum(sizes_E), row_M, side="right"), 0, E - 1)
+    y_MD = y_RD[pad_start_E[expert_M] + row_M - start_E[expert_M]]
+    return jnp.where((row_M < jnp.sum(sizes_E))[:, None], y_MD, 0)

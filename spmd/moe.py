@@ -8,7 +8,7 @@ split that by expert, so each device runs it on its own tokens here:
 2. all-to-all a (devices, M, D) buffer: M = this device's token-choices is the bound on what one
    device can send to another, so nothing is ever dropped (cost: n*M*D memory per device, and
    the padding travels; a ragged all-to-all would send only the real rows);
-3. sort what arrived by local expert, ragged_dot through the local experts, unsort;
+3. sort what arrived by local expert, grouped matmuls through the local experts, unsort;
 4. all-to-all back, weight and scatter-add into the tokens.
 
 With `mlp` split over tensor as well, each tensor rank holds a slice of every local expert's
@@ -25,10 +25,12 @@ from spmd.mesh import axes_size
 TOKEN_AXES = ("batch", "seq", None)
 
 
-def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, *, reference):
+def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, *, reference, experts):
     """The dropless MoE on the active mesh. `reference(x_TD, experts_Tk, weights_Tk, w_gate, w_up,
     w_down)` is the model's single-device computation (models.moe.dropless_reference), run where
-    the experts are not split; handed in so that this module needs nothing from models/."""
+    the experts are not split; `experts(x_MD, sizes_E, w_gate, w_up, w_down)` its grouped SwiGLU
+    (models.moe.grouped_swiglu) on rows sorted by local expert. Both handed in so that this module
+    needs nothing from models/."""
     rules, mesh = active_sharding()
     expert_axes, tensor_axes = split_axes(rules, mesh, "expert"), split_axes(rules, mesh, "mlp")
     n = axes_size(mesh.shape, expert_axes)
@@ -44,7 +46,7 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, 
         if n == 1:
             out = reference(x_TD, e_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), wg, wu, wd)
         else:
-            out = _exchange(x_TD, e_M, w_M, k, wg, wu, wd, ep, n)
+            out = _exchange(x_TD, e_M, w_M, k, wg, wu, wd, ep, n, experts)
         if tp is not None:
             out = jax.lax.psum(out, tp)
         return out.reshape(B, T, D).astype(x_BTD.dtype)
@@ -58,7 +60,7 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, 
     )(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
-def _exchange(x_TD, e_M, w_M, k, wg, wu, wd, axis, n):
+def _exchange(x_TD, e_M, w_M, k, wg, wu, wd, axis, n, experts):
     M, D = e_M.shape[0], x_TD.shape[1]
     E_local = wg.shape[0]
     order_M = jnp.argsort(e_M, stable=True)  # by expert, hence by owning device
@@ -77,8 +79,7 @@ def _exchange(x_TD, e_M, w_M, k, wg, wu, wd, axis, n):
     order_R = jnp.argsort(e_R, stable=True)  # empty slots sort last
     sizes = jnp.bincount(e_R, length=E_local + 1)[:E_local].astype(jnp.int32)
     xs = recv_nMD.reshape(n * M, D)[order_R]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-    y = jax.lax.ragged_dot(h, wd, sizes)
+    y = experts(xs, sizes, wg, wu, wd)
     y = jnp.where((e_R[order_R] < E_local)[:, None], y, 0)
     y_nMD = jnp.zeros_like(y).at[order_R].set(y).reshape(n, M, D)
 

@@ -1,4 +1,5 @@
 """Mixture of experts: the router on a hand-computed case, capacity == dropless when nothing drops,
+the CPU grouped matmul in tiles == ragged_dot,
 expert parallelism (both paths, with fsdp and tensor) equal to one device, all-to-all in the HLO,
 metrics, expert-parameter bytes, errors."""
 
@@ -12,8 +13,8 @@ from conftest import run_training
 from flax import nnx
 
 from models.llama import Decoder, count_params
-from models.moe import MoE, dispatch_masks, route
-from spmd import dryrun
+from models.moe import GROUP_TILE, MoE, dispatch_masks, grouped_swiglu, route
+from spmd import dryrun, hlo
 from spmd.config import load_config
 from spmd.setup import assemble
 
@@ -186,3 +187,51 @@ def test_decoder_with_moe_decodes_like_full_forward():
         logits, cache = model(tokens[:, t : t + 1], jnp.full((1, 1), t), cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [GROUP_TILE, 0, 3, GROUP_TILE + 1, 50, 0],  # whole tile, empty groups, one row past a tile
+        [0, 0, 0, 0, 0, 300],  # one expert takes every row
+        [10, 20, 30, 0, 0, 40],  # rows past the groups (as expert parallelism's empty slots) give 0
+    ],
+)
+def test_grouped_swiglu_in_tiles_equals_ragged_dot(sizes):
+    """On CPU the dropless experts run as tiles of one expert's rows; values and gradients equal
+    ragged_dot's grouped matmuls (fresh random inputs)."""
+    rng = np.random.default_rng()
+    M, D, F, E = 300, 16, 24, len(sizes)
+    x = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    ws = [  # unit-variance activations through each layer
+        jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[1]), jnp.float32)
+        for shape in ((E, D, F), (E, D, F), (E, F, D))
+    ]
+    sizes_E = jnp.asarray(sizes, jnp.int32)
+    dy = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+
+    def ragged(x, wg, wu, wd):
+        h = jax.nn.silu(jax.lax.ragged_dot(x, wg, sizes_E)) * jax.lax.ragged_dot(x, wu, sizes_E)
+        return jax.lax.ragged_dot(h, wd, sizes_E)
+
+    def tiled(x, wg, wu, wd):
+        return grouped_swiglu(x, sizes_E, wg, wu, wd)
+
+    def rel_err(a, b):  # fp32 rounding, relative to the array's scale
+        return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+    out, ref = tiled(x, *ws), ragged(x, *ws)
+    assert rel_err(out, ref) <= 1e-5
+    assert np.all(np.asarray(out)[sum(sizes) :] == 0)
+    grads = jax.grad(lambda *a: jnp.sum(tiled(*a) * dy), argnums=(0, 1, 2, 3))(x, *ws)
+    ref_grads = jax.grad(lambda *a: jnp.sum(ragged(*a) * dy), argnums=(0, 1, 2, 3))(x, *ws)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= 1e-5
+
+    # Tiles, not ragged_dot's dense lowering (every row times every expert): the three matmuls
+    # over ceil(M / tile) + E tiles of rows instead of M rows times E experts.
+    def flops(f):
+        return hlo.matmul_flops(jax.jit(f).lower(x, *ws).compile().as_text())
+
+    tiles = -(-M // GROUP_TILE) + E
+    assert flops(tiled) == 3 * 2 * tiles * GROUP_TILE * D * F < flops(ragged) == 3 * 2 * M * E * D * F
