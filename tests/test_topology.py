@@ -102,7 +102,7 @@ def test_a_step_that_cannot_fit_is_the_compilers_refusal_named(v5e):
     from spmd.dryrun import DoesNotFit
 
     with pytest.raises(DoesNotFit, match="does not fit TPU v5 lite: .*exceeds available HBM"):
-        dry(v5e, "data=4", "dp", "train.global_batch_size=64", "train.seq_len=4096", config="small")
+        dry(v5e, "data=4", "dp", "train.global_batch_size=64", "train.seq_len=16384", config="small")
 
 
 def test_topology_errors(monkeypatch, v5e):
