@@ -10,8 +10,9 @@ Two dispatch paths compute the same function when nothing is dropped:
   choices before second choices, then in token order). Plain einsums, so GSPMD partitions it:
   with experts sharded over the `expert` mesh axis it exchanges tokens with all-to-all.
 - dropless: token-choices sorted by expert and multiplied with `jax.lax.ragged_dot` (grouped
-  matmul; on CPU as tiles of one expert's rows, see grouped_swiglu); nothing is dropped. GSPMD cannot partition a sort-and-ragged-dot by expert, so this
-  path runs per shard (spmd.moe) and exchanges tokens with an explicit all-to-all.
+  matmul; on CPU as tiles of one expert's rows, see grouped_swiglu); nothing is dropped. GSPMD
+  cannot partition a sort-and-ragged-dot by expert, so this path runs per shard (spmd.moe) and
+  exchanges tokens with an explicit all-to-all.
 
 The router's auxiliary losses: load balance E * sum_e f_e P_e (Switch/GShard; f_e the fraction of
 token-choices sent to e, P_e the mean router probability of e) and z-loss mean(logsumexp(logits)^2).
