@@ -32,10 +32,15 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
     return y.reshape(*lead, *out)
 
 
-def param(rngs, cfg, shape, logical, std=None):
-    """A parameter drawn from N(0, std) (default `cfg.init_std`) carrying its logical axes."""
+def param(rngs, cfg, shape, logical, std=None, compute_cast=True):
+    """A parameter drawn from N(0, std) (default `cfg.init_std`) carrying its logical axes.
+
+    `compute_cast`: whether the model casts it to the compute dtype where it uses it (then its
+    gradient leaves the matmuls in that dtype, and is reduced across devices in it); declared for
+    the communication bound in spmd/dryrun.py, which reads it as the optimizer reads weight_decay."""
     init = nnx.initializers.normal(cfg.init_std if std is None else std)
-    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)), out_sharding=logical)
+    value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
+    return nnx.Param(value, out_sharding=logical, compute_cast=compute_cast)
 
 
 class RMSNorm(nnx.Module):
@@ -44,7 +49,10 @@ class RMSNorm(nnx.Module):
         # Scales are not decayed towards 0 (that would shrink the normalised signal): the optimizer
         # reads this declared property, not the parameter's name.
         self.scale_D = nnx.Param(
-            jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)), out_sharding=("norm",), weight_decay=False
+            jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype)),
+            out_sharding=("norm",),
+            weight_decay=False,
+            compute_cast=False,  # applied in float32 (below)
         )
 
     def __call__(self, x_BTD):

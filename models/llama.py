@@ -253,7 +253,10 @@ class Decoder(nnx.Module):
         # Tied, the same table is the output head, whose logits x.e over a normalised x of norm
         # sqrt(D) must start small (loss ln V): it takes the matmul scale init_std, as Llama does.
         embed_std = cfg.init_std if cfg.tie_embeddings else 1.0
-        self.embed_VD = param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=embed_std)
+        # The lookup reads the parameter dtype (cast after): its gradient is a scatter-add in that dtype.
+        self.embed_VD = param(
+            rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=embed_std, compute_cast=False
+        )
         groups, dense_per_group, has_moe = layer_groups(cfg)
 
         def stack(n, moe):

@@ -48,9 +48,9 @@ def main() -> None:
     gib = lambda n: f"{n / 2**30:,.2f}"  # noqa: E731
     print(
         "| config | topology | rules | mesh | backend | peak / chip (GiB) | HBM | sent (GiB) | sent / min "
-        "| unexplained (GiB) | est. step (s) | est. MFU | compile (s) |"
+        "| one-way / min | unexplained (GiB) | est. step (s) | est. MFU | compile (s) |"
     )
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in args.rows.split(","):
         config, generation, shape, rules, mesh = row.split(":")
         mesh = mesh.replace("/", ",")
@@ -63,7 +63,7 @@ def main() -> None:
             r = dryrun(config, mesh, rules, args.set, flags, args.timeout)
             head = f"| {config} | {topology} | `{rules}` | {mesh} | {backend} |"
             if "error" in r:
-                print(f"{head} {r['error'][:150]} ||||||||", flush=True)
+                print(f"{head} {r['error'][:150]} |||||||||", flush=True)
                 continue
             b, est, ex = r["per_device_bytes"], r.get("chip_estimate"), r["explain"]
             ratio = (
@@ -72,12 +72,19 @@ def main() -> None:
                 else 0
             )
             unexplained = sum(u["volume_bytes"] for u in ex["unexplained"])
+            # Gathers and reduce-scatters the compiler ran as all-reduces, counted as what they do.
+            one_way = (
+                (r["collective_volume_bytes"] - ex["as_all_reduce_excess_bytes"])
+                / r["analytic_minimum_total"]
+                if r["analytic_minimum_total"]
+                else 0
+            )
             print(
                 f"{head} {gib(b['peak'])} | {gib(est['hbm_per_device']) if est else '-'} | "
-                f"{gib(r['collective_volume_bytes'])} | {ratio:.2f} | {gib(unexplained)} | "
+                f"{gib(r['collective_volume_bytes'])} | {ratio:.2f} | {one_way:.2f} | {gib(unexplained)} | "
                 f"{est['step_s']:.3f} | {est['mfu']:.1%} | {r['compile_seconds']:.0f} |"
                 if est
-                else f"{head} {gib(b['peak'])} | - | {gib(r['collective_volume_bytes'])} | {ratio:.2f} | "
+                else f"{head} {gib(b['peak'])} | - | {gib(r['collective_volume_bytes'])} | {ratio:.2f} | {one_way:.2f} | "
                 f"{gib(unexplained)} | - | - | {r['compile_seconds']:.0f} |",
                 flush=True,
             )

@@ -36,8 +36,10 @@ def ring_volume(kind: str, result_bytes: int, group: int) -> float:
 
 def analytic_minimum(cfg, plan) -> dict[str, float]:
     """Lower bound on bytes each device sends per step, by parallelism (see module doc):
-    FSDP gathers every parameter forward and backward (in the compute dtype) and reduce-scatters
-    its gradient (in the parameter dtype); data
+    FSDP gathers every parameter forward (and again backward, under remat) and reduce-scatters its
+    gradient, all in the dtype the model uses it in (the compute dtype for the weights it casts:
+    ParamInfo.compute_cast), except an untied embedding table where moving the looked-up rows is
+    less; a sharded weight update reduce-scatters the gradient and gathers the parameter; data
     parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
     per layer forward and twice backward; expert parallelism moves dispatched tokens by all-to-all;
@@ -54,6 +56,14 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     # Pipeline stages hold different layers: a parameter split over them is never gathered.
     stage_axes = plan.schedule.axes if plan.schedule is not None else ()
     m = cfg.model
+    # Without rematerialisation the forward's gathered weights can be kept for the backward (at
+    # their memory); with it, the backward gathers them again.
+    gathers = 1 if m.remat == "none" else 2
+    # Tokens on one device as the layers see them, and the layers it runs: under a pipeline, the
+    # rows of its stage (the stage axes do not split them there) through n_layers / S layers.
+    dp = axes_size(sizes, [a for a in batch_axes if a not in stage_axes])
+    n_ctx = axes_size(sizes, seq_axes)
+    B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx
     out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0, "stage": 0.0}
     for p in plan.params:
         axes = [a for e in p.spec for a in spec_axes(e)]
@@ -61,20 +71,33 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # Sharded over a batch axis: FSDP, gathered for compute. Experts split over an axis that
         # also carries the batch are never gathered (expert parallelism moves tokens instead).
         f = axes_size(sizes, [a for a in axes if a in batch_axes and a not in expert_axes + stage_axes])
-        gathered = p.bytes_total / (shard / f)  # what one device holds after the FSDP gather
-        if f > 1:
-            # Two gathers of the weights as the model uses them (cast to the compute dtype first:
-            # a bf16 model gathers bf16), one reduce-scatter of the gradient in the parameter dtype.
-            cast = min(1.0, np.dtype(m.dtype).itemsize / p.dtype.itemsize)
-            out["fsdp"] += (2 * cast + 1) * gathered * (f - 1) / f
+        # What one device holds after the FSDP gather, in the dtype the model uses it in: a
+        # weight cast to the compute dtype is gathered cast (a bf16 model gathers bf16), and its
+        # gradient leaves the matmuls, and is reduced, in that dtype too (the cast's transpose
+        # comes after the reduction); norm scales and the embedding table are used as stored.
+        used = min(1.0, np.dtype(m.dtype).itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
+        gathered = used * p.bytes_total / (shard / f)
+        if f > 1:  # the weights gathered (forward; again in the backward), the gradient reduce-scattered
+            cost = (gathers + 1) * gathered * (f - 1) / f
+            if p.logical[:1] == ("vocab",) and not m.tie_embeddings:
+                # The embedding table is only read by the lookup: instead of gathering it, the
+                # devices can send each other the pieces of the rows their tokens need, and the
+                # rows' gradients back; whichever is less.
+                split = [a for a in spec_axes(p.spec[0]) if a in batch_axes] if p.spec else []
+                row = gathered / (p.local_shape[0] * axes_size(sizes, split))
+                cost = min(cost, 2 * B * T * row * (f - 1) / f)
+            out["fsdp"] += cost
         replicas = axes_size(sizes, [a for a in grad_axes if a not in axes])
+        # A sharded weight update (shard_optimizer_over) over z of those replicas: the gradient
+        # reduce-scattered over them and the updated parameter (parameter dtype) gathered back;
+        # over the others all-reduced, each device's part of it.
+        z = axes_size(sizes, [a for a in grad_axes if a not in axes and a in plan.rules.shard_optimizer_over])
+        grad = gathered / f
+        if z > 1:
+            out["data"] += (grad + p.bytes_per_device) * (z - 1) / z
+            grad, replicas = grad / z, replicas // z
         if replicas > 1:
-            out["data"] += 2 * (gathered / f) * (replicas - 1) / replicas
-    # Tokens on one device as the layers see them, and the layers it runs: under a pipeline, the
-    # rows of its stage (the stage axes do not split them there) through n_layers / S layers.
-    dp = axes_size(sizes, [a for a in batch_axes if a not in stage_axes])
-    n_ctx = axes_size(sizes, seq_axes)
-    B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx
+            out["data"] += 2 * grad * (replicas - 1) / replicas
     n_layers = m.n_layers // (plan.schedule.stages if plan.schedule is not None else 1)
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):

@@ -30,6 +30,15 @@ from spmd.mesh import axes_size, spec_axes
 CONTRACTED_IN_LAYERS = ("heads", "kv_heads", "mlp", "head_dim", "expert_mlp", "embed")
 CONTRACTED_OUTSIDE = ("vocab", "act_vocab", "embed")
 TOKEN_NAMES = ("batch", "seq", "act_seq")
+# A gather or a reduce-scatter the compiler ran as an all-reduce (the TPU compiler does so for a
+# group spanning a whole slice): it does the job of the one-way collective and sends twice its
+# bytes, so half of what these send is the compiler's choice of algorithm, not the sharding's.
+AS_ALL_REDUCE_GATHER = "weights gathered (as an all-reduce of zero-padded shards)"
+AS_ALL_REDUCE_SCATTER = (
+    "gradients reduced (as an all-reduce of the whole gradient; each device keeps its shard)"
+)
+AS_ALL_REDUCE_UPDATE = "updated parameters gathered (sharded update; as an all-reduce of zero-padded shards)"
+AS_ALL_REDUCE = (AS_ALL_REDUCE_GATHER, AS_ALL_REDUCE_SCATTER, AS_ALL_REDUCE_UPDATE)
 
 
 def _names_on(rules, axes, names) -> list[str]:
@@ -42,6 +51,8 @@ def _param_shapes(plan, axes) -> list[tuple]:
     collective over `axes`: its shard, and its shard gathered along a dimension split over `axes`;
     each also without the leading `layers` dimension (one layer, inside the scan)."""
     sizes = dict(plan.mesh.shape)
+    # Under a sharded weight update the gradient is reduce-scattered into the optimizer's shards.
+    z = axes_size(sizes, [a for a in plan.rules.shard_optimizer_over if a in axes])
     out = []
     for p in plan.params:
         variants = [(tuple(p.local_shape), None)]
@@ -51,6 +62,12 @@ def _param_shapes(plan, axes) -> list[tuple]:
                 gathered = list(p.local_shape)
                 gathered[d] *= axes_size(sizes, on)
                 variants.append((tuple(gathered), d))
+        if z > 1:
+            for d, n in enumerate(p.local_shape):
+                if n % z == 0:
+                    variants.append(
+                        (tuple(p.local_shape[:d]) + (n // z,) + tuple(p.local_shape[d + 1 :]), None)
+                    )
         for shape, d in variants:
             stacked = bool(p.logical) and p.logical[0] == "layers" and len(shape) > 1
             lead, body = (shape[:1], shape[1:]) if stacked else ((), shape)
@@ -91,14 +108,16 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
                 return _rule([p.logical[dim]], axes), "weights gathered"
             forward = "transpose(" not in c.op_name  # gradients come from the backward pass
             if dim is not None and (c.as_gather or (c.kind == "all-reduce" and forward and c.op_name)):
-                return _rule(
-                    [p.logical[dim]], axes
-                ), "weights gathered (as an all-reduce of zero-padded shards)"
-            if c.kind == "all-gather" and zero_axes:
+                return _rule([p.logical[dim]], axes), AS_ALL_REDUCE_GATHER
+            if zero_axes and (c.kind == "all-gather" or c.as_gather):
                 return (
                     f"shard_optimizer_over -> {','.join(axes)}",
-                    "updated parameters gathered (sharded update)",
+                    AS_ALL_REDUCE_UPDATE if c.as_gather else "updated parameters gathered (sharded update)",
                 )
+            if c.kind == "all-reduce" and (dim is not None or zero_axes) and token_names:
+                # The whole gradient summed everywhere, each device then keeping its shard (of the
+                # parameter, or of the optimizer state under a sharded update).
+                return _rule(token_names, axes), AS_ALL_REDUCE_SCATTER
             if c.kind in ("all-reduce", "reduce-scatter") and token_names:
                 return _rule(token_names, axes), "gradients reduced"
 
@@ -208,4 +227,6 @@ def explain(setup, items, volumes) -> dict:
         row["volume_bytes"] += volume
     rows = [{"rule": r, "what": w, "kind": k, **v} for (r, w, k), v in by.items()]
     rows.sort(key=lambda r: -r["volume_bytes"])
-    return {"rules": rows, "unexplained": unexplained}
+    # What the gathers and reduce-scatters run as all-reduces send beyond the one-way collective.
+    excess = sum(r["volume_bytes"] / 2 for r in rows if r["what"] in AS_ALL_REDUCE)
+    return {"rules": rows, "unexplained": unexplained, "as_all_reduce_excess_bytes": excess}

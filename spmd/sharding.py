@@ -62,6 +62,9 @@ class ParamInfo:
     spec: PartitionSpec
     local_shape: tuple[int, ...]
     weight_decay: bool = True  # declared by the model (RMSNorm scales say False)
+    # Declared by the model: used cast to the compute dtype (matmul weights), so its gradient
+    # arrives, and is reduced, in that dtype; False: used in the parameter dtype (norm scales).
+    compute_cast: bool = True
 
     @property
     def bytes_per_device(self) -> int:
@@ -238,6 +241,7 @@ def plan(
                 spec,
                 _local_shape(shapes[p], spec, sizes),
                 weight_decay=bool(v.get_metadata().get("weight_decay", True)),
+                compute_cast=bool(v.get_metadata().get("compute_cast", True)),
             )
         )
     by_path = {i.path: i for i in infos}

@@ -66,6 +66,43 @@ def test_sharded_weight_update_reduce_scatters_on_tpu_and_sends_what_dp_sends(v5
     assert zero["per_device_bytes"]["optimizer_state"] <= 1.05 * dp["per_device_bytes"]["optimizer_state"] / 4
 
 
+def test_a_bf16_models_gradients_are_reduced_in_bf16_as_the_minimum_counts(v5e, devices):
+    """The analytic minimum counts a cast weight's gradient in the compute dtype, because that is
+    the dtype it leaves the matmuls in: the TPU compiler's dp all-reduce of a bf16 model sends
+    exactly that; XLA:CPU, which computes bf16 in fp32, sends about twice as much."""
+    wide = ("model.d_model=256", "model.d_ff=512", "model.n_heads=8", "model.head_dim=32")
+    tpu = dry(v5e, "data=4", "dp", *wide, "model.dtype=bfloat16")
+    cpu = dry(devices[:4], "data=4", "dp", *wide, "model.dtype=bfloat16")
+    fp32 = dry(v5e, "data=4", "dp", *wide)
+    assert tpu["collective_volume_bytes"] == pytest.approx(tpu["analytic_minimum_total"], rel=1e-3)
+    assert tpu["analytic_minimum_total"] < 0.6 * fp32["analytic_minimum_total"]
+    assert cpu["collective_volume_bytes"] > 1.8 * cpu["analytic_minimum_total"]
+
+
+def test_collectives_over_a_whole_slice_run_as_all_reduces_and_are_counted_as_such():
+    """Over every chip of a v5p:2x2x2 slice the TPU compiler reduce-scatters by all-reducing the
+    whole array and keeping a shard (twice a reduce-scatter's bytes); --explain names those and
+    the bytes they add, and without them dp_zero1 sends its analytic minimum: the gradient
+    reduce-scattered (bf16) and the updated fp32 parameters gathered."""
+    from spmd import explain, topology
+
+    wide = (
+        "model.d_model=256",
+        "model.d_ff=512",
+        "model.n_heads=8",
+        "model.head_dim=32",
+        "model.dtype=bfloat16",
+    )
+    r = dry(topology.devices("v5p:2x2x2"), "data=8", "dp_zero1", *wide)
+    ex = r["explain"]
+    as_ar = [row for row in ex["rules"] if row["what"] in explain.AS_ALL_REDUCE]
+    assert as_ar and {row["kind"] for row in as_ar} == {"all-reduce"}
+    assert ex["as_all_reduce_excess_bytes"] == pytest.approx(sum(row["volume_bytes"] for row in as_ar) / 2)
+    one_way = r["collective_volume_bytes"] - ex["as_all_reduce_excess_bytes"]
+    assert one_way == pytest.approx(r["analytic_minimum_total"], rel=0.01)
+    assert r["collective_volume_bytes"] > 1.2 * r["analytic_minimum_total"]
+
+
 def test_two_slices_compile_with_the_dcn_mesh_across_them():
     """--num-slices 2: the mesh's data axis spans the slices (by slice_index); the report says
     that the cross-slice transfers (send/recv, not collectives in the HLO) are not counted."""

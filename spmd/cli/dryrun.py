@@ -146,6 +146,13 @@ def print_report(r: dict) -> None:
                 f"  {row['rule']:<26} {row['kind']:<20} {row['count']:>7} "
                 f"{fmt_bytes(row['volume_bytes']):>14}  {row['what']}"
             )
+        if ex["as_all_reduce_excess_bytes"] and minimum:
+            one_way = total - ex["as_all_reduce_excess_bytes"]
+            print(
+                f"  of which {fmt_bytes(ex['as_all_reduce_excess_bytes'])} because gathers or reduce-scatters ran "
+                f"as all-reduces (twice the bytes; the compiler's choice): {fmt_bytes(one_way)} as one-way "
+                f"collectives, {one_way / minimum:.2f}x the minimum"
+            )
         for row in ex["unexplained"]:
             print(
                 f"  {'(unexplained)':<26} {row['kind']:<20} {row['count']:>7} {fmt_bytes(row['volume_bytes']):>14}  "
