@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--rows", default=DEFAULT_ROWS, help="config:generation:shape:rules:mesh (mesh axes by /)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every dry-run")
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument(
+        "--over-hbm", action="store_true", help="compile TPU rows that do not fit anyway (peak marked 'over')"
+    )
     args = p.parse_args()
     gib = lambda n: f"{n / 2**30:,.2f}"  # noqa: E731
     print(
@@ -57,7 +60,7 @@ def main() -> None:
         topology = f"{generation}:{shape}"
         chips = math.prod(int(d) for d in shape.split("x"))
         for backend, flags in (
-            ("TPU", ["--topology", topology]),
+            ("TPU", ["--topology", topology] + (["--over-hbm"] if args.over_hbm else [])),
             ("XLA:CPU", ["--host-devices", str(chips)]),
         ):
             r = dryrun(config, mesh, rules, args.set, flags, args.timeout)
@@ -80,7 +83,7 @@ def main() -> None:
                 else 0
             )
             print(
-                f"{head} {gib(b['peak'])} | {gib(est['hbm_per_device']) if est else '-'} | "
+                f"{head} {gib(b['peak'])}{'' if est['fits'] else ' (over)'} | {gib(est['hbm_per_device'])} | "
                 f"{gib(r['collective_volume_bytes'])} | {ratio:.2f} | {one_way:.2f} | {gib(unexplained)} | "
                 f"{est['step_s']:.3f} | {est['mfu']:.1%} | {r['compile_seconds']:.0f} |"
                 if est

@@ -11,6 +11,7 @@ that), so the two forms are comparable.
 """
 
 import math
+import os
 import time
 
 import jax
@@ -42,10 +43,14 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     less; a sharded weight update reduce-scatters the gradient and gathers the parameter; data
     parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
-    per layer forward and twice backward; expert parallelism moves dispatched tokens by all-to-all;
-    context parallelism moves keys and values (spmd/context.py's three modes); pipeline
+    per layer forward and twice backward (once more under full remat; an MoE layer's MLP sums
+    its dispatched tokens instead, recomputed under remat); expert parallelism moves dispatched
+    tokens by all-to-all (forward, backward, and again under remat); context parallelism moves keys and values (spmd/context.py's three modes); pipeline
     parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
     forward, and their gradients back."""
+    from models.llama import layer_groups
+    from models.moe import capacity
+
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
     expert_axes = plan.rules.mapping.get("expert", ())
@@ -104,7 +109,23 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
         # its bf16 figures run up to 2x over this; the TPU compiler sends them as they are.)
         act = B * T * m.d_model * np.dtype(m.dtype).itemsize
-        out["tensor"] = 4 * n_layers * 2 * act * (t - 1) / t
+        # Two partial sums per layer forward (attention and MLP outputs), two backward. Under full
+        # remat the backward recomputes the forward as far as the residual after attention, which
+        # the MLP's backward reads: one more (the MLP output's is dead there). Under save_dots the
+        # projections' outputs are saved as the program sees them, i.e. already summed.
+        attention = 2 + (1 if m.remat == "full" else 0)
+        # An MoE layer's MLP is its experts: their partial sums are of the dispatched tokens
+        # (B, E, C, D), which the backward also recomputes under any remat (the expert einsums have
+        # a batch dimension, so save_dots does not keep them, and combining reads their output).
+        groups, _, has_moe = layer_groups(m)
+        n_moe = groups * n_layers // m.n_layers if has_moe else 0
+        dispatched = 0
+        if has_moe:
+            C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
+            dispatched = B * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
+        moe = 2 + (1 if m.remat != "none" else 0)
+        sums = n_layers * attention * act + (n_layers - n_moe) * 2 * act + n_moe * moe * dispatched
+        out["tensor"] = 2 * sums * (t - 1) / t
     if n_ctx > 1:
         # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
         t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1
@@ -126,15 +147,15 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     n_ep = axes_size(sizes, expert_axes)
     if m.n_experts and n_ep > 1:
         # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
-        # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer. Capacity path; the
-        # dropless path's padded buffers are larger (spmd/moe.py).
-        from models.llama import layer_groups
-        from models.moe import capacity
-
+        # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer; under remat the backward
+        # moves them again (the experts' inputs and outputs are not saved: their einsums have a
+        # batch dimension): 6. Capacity path; the dropless path's padded buffers are larger
+        # (spmd/moe.py).
         C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
         buffer = B * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
         stages = plan.schedule.stages if plan.schedule is not None else 1
-        out["expert"] = 4 * layer_groups(m)[0] // stages * buffer * (n_ep - 1) / n_ep
+        moves = 4 + (2 if m.remat != "none" else 0)
+        out["expert"] = moves * layer_groups(m)[0] // stages * buffer * (n_ep - 1) / n_ep
     schedule = plan.schedule
     if schedule is not None:
         # Every row of the device's batch enters each of its stage's R layer groups once: its
@@ -275,6 +296,14 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         # The TPU compiler refuses a program that cannot fit the chip's memory (XLA:CPU never does).
+        # Told to compile it anyway (--over-hbm), it does so for v5p; for v5e it has been seen to
+        # fail as "Invalid TPU program" instead.
+        if "Invalid TPU program" in str(e) and "no_crash_on_oom" in os.environ.get("LIBTPU_INIT_ARGS", ""):
+            raise DoesNotFit(
+                f"{cfg.name} on {format_mesh(dict(mesh.shape))} with rules {rules.name}: the TPU compiler "
+                f"could not compile it over {mesh.devices.flat[0].device_kind}'s HBM (--over-hbm): "
+                "Invalid TPU program; without --over-hbm it says by how much it does not fit"
+            ) from None
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         detail = str(e).split("CompileTimeHbmOom: ")[-1].split(" HLO module")[0].strip().rstrip(".")

@@ -106,6 +106,18 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
                 continue
             if c.kind == "all-gather" and dim is not None:
                 return _rule([p.logical[dim]], axes), "weights gathered"
+            split = [d for d, e in enumerate(p.spec) if set(spec_axes(e)) & set(axes)]
+            if c.kind == "collective-permute" and "windowed_dot_general_body_" in c.computation:
+                # The SPMD partitioner's windowed einsum: blocks passed around a ring, one step per
+                # loop iteration, each overlapped with a block of the matmul.
+                if "_body_ag" in c.computation and split:
+                    return _rule(
+                        [p.logical[split[0]]], axes
+                    ), "weights gathered (a ring of collective-permutes in the matmul's loop)"
+                if "_body_rs" in c.computation and token_names:
+                    return _rule(
+                        token_names, axes
+                    ), "gradients reduced (a ring of collective-permutes in the matmul's loop)"
             forward = "transpose(" not in c.op_name  # gradients come from the backward pass
             if dim is not None and (c.as_gather or (c.kind == "all-reduce" and forward and c.op_name)):
                 return _rule([p.logical[dim]], axes), AS_ALL_REDUCE_GATHER
@@ -113,6 +125,10 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
                 return (
                     f"shard_optimizer_over -> {','.join(axes)}",
                     AS_ALL_REDUCE_UPDATE if c.as_gather else "updated parameters gathered (sharded update)",
+                )
+            if c.kind == "collective-permute" and split and "dot_general" in c.op_name:
+                return _rule([p.logical[split[0]]], axes), (
+                    "weight or gradient blocks passed around a ring (a windowed matmul's first or last step)"
                 )
             if c.kind == "all-reduce" and (dim is not None or zero_axes) and token_names:
                 # The whole gradient summed everywhere, each device then keeping its shard (of the
@@ -175,7 +191,19 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         B = max(1, B // schedule.microbatches)
         token_counts = {n // schedule.microbatches for n in token_counts} | token_counts
         shapes = tuple(s[1:] if len(s) > 1 and s[0] == 1 else s for s in shapes)
+    m = cfg.model
+    dispatched = 0  # elements of the (B, E, C, D) tokens dispatched to the experts, per device
+    if getattr(m, "n_experts", 0):
+        from models.moe import capacity
+
+        dispatched = (
+            B * m.n_experts * capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor) * D
+        )
     for shape in shapes:
+        if dispatched and c.kind == "all-reduce" and math.prod(shape) == dispatched:
+            names = _names_on(rules, axes, CONTRACTED_IN_LAYERS)
+            if names:
+                return _rule(names, axes), "partial sums of the experts' matmuls (dispatched tokens)"
         if math.prod(shape) <= 1 or (math.prod(shape) in token_counts and shape[-1] != D):
             # Scalars (loss, token counts, norms) and per-token statistics (softmax max/sum).
             names = (

@@ -77,15 +77,48 @@ def _computations(text: str):
     return comps, entry
 
 
-def _trips_from_condition(lines) -> int:
+_CONSTANT = re.compile(r"%([\w.\-]+) = [su]32\[\]\S* constant\((\d+)\)")
+
+
+def _trips_from_condition(lines, body=()) -> int:
     """A loop's trip count from its condition where the backend config has none (the TPU
     compiler's HLO): `ROOT compare(counter, constant(N)), direction=LT`, the counter of a JAX scan
-    or fori_loop starting at 0, runs N times. Anything else counts once."""
-    constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(lines)))
+    or fori_loop starting at 0, runs N times (s32; the SPMD partitioner's windowed-einsum loops,
+    which pass weight or activation blocks around a ring, count in u32). Where the body adds k > 1
+    to the counter (a loop widened to k steps per iteration), ceil(N / k). Anything else counts once."""
+    constants = dict(_CONSTANT.findall("\n".join(lines)))
     for line in lines:
-        m = re.search(r"ROOT %\S+ = pred\[\]\S* compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", line)
-        if m and m.group(1) in constants:
-            return int(constants[m.group(1)])
+        m = re.search(r"ROOT %\S+ = pred\[\]\S* compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT", line)
+        if m and m.group(2) in constants:
+            bound = int(constants[m.group(2)])
+            index = re.search(
+                rf"%{re.escape(m.group(1))} = \S+ get-tuple-element\(%[\w.\-]+\), index=(\d+)",
+                "\n".join(lines),
+            )
+            step = _counter_step(body, int(index.group(1))) if index else 1
+            return -(-bound // step)
+    return 1
+
+
+def _counter_step(body, index: int) -> int:
+    """What the loop body adds to tuple element `index` (its counter): k from the ROOT tuple's
+    operand `add(get-tuple-element(param, index), constant(k))`; 1 where it is not that."""
+    text = "\n".join(body)
+    root = next((x for x in body if x.strip().startswith("ROOT") and " tuple(" in x), None)
+    if root is None:
+        return 1
+    operands = re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1].split(")", 1)[0])
+    if index >= len(operands):
+        return 1
+    add = re.search(rf"%{re.escape(operands[index])} = \S+ add\(%([\w.\-]+), %([\w.\-]+)\)", text)
+    if not add:
+        return 1
+    constants = dict(_CONSTANT.findall(text))
+    counter = re.search(
+        rf"%{re.escape(add.group(1))} = \S+ get-tuple-element\(%[\w.\-]+\), index={index}\b", text
+    )
+    if counter and add.group(2) in constants:
+        return max(1, int(constants[add.group(2)]))
     return 1
 
 
@@ -106,10 +139,14 @@ def _multipliers(comps, entry) -> dict[str, int]:
             if op == "while":
                 t = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
                 cond = re.search(r"\bcondition=%([\w.\-]+)", rest)
+                body = re.search(r"\bbody=%([\w.\-]+)", rest)
                 trips = (
                     int(t.group(1))
                     if t
-                    else _trips_from_condition(comps.get(cond.group(1), []) if cond else [])
+                    else _trips_from_condition(
+                        comps.get(cond.group(1), []) if cond else [],
+                        comps.get(body.group(1), []) if body else [],
+                    )
                 )
             for attr, callee in re.findall(
                 r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest

@@ -46,9 +46,13 @@ def chip(name: str) -> hardware.Chip:
     return hardware.CHIPS[GENERATIONS[parse(name)[0]][0]]
 
 
-def devices(name: str, num_slices: int = 1) -> list:
+def devices(name: str, num_slices: int = 1, over_hbm: bool = False) -> list:
     """The compile-only devices of `num_slices` slices of topology `name` (slice_index tells them
-    apart). UserError without libtpu, for an unknown topology, or a shape libtpu rejects."""
+    apart). UserError without libtpu, for an unknown topology, or a shape libtpu rejects.
+
+    `over_hbm`: the TPU compiler compiles steps that do not fit the chip's HBM instead of refusing
+    them (libtpu's --xla_tpu_no_crash_on_oom; read when libtpu loads, i.e. by the process's first
+    call)."""
     generation, dims = parse(name)
     if num_slices < 1:
         raise UserError(f"--num-slices must be positive, got {num_slices}")
@@ -65,6 +69,10 @@ def devices(name: str, num_slices: int = 1) -> list:
     # Compiling touches no chip, so several processes may load libtpu at once (by default the
     # second one fails on libtpu's lockfile).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if over_hbm:
+        os.environ["LIBTPU_INIT_ARGS"] = (
+            f"{os.environ.get('LIBTPU_INIT_ARGS', '')} --xla_tpu_no_crash_on_oom=true".strip()
+        )
     import jax
     from jax.experimental import topologies
 

@@ -142,6 +142,26 @@ def test_a_step_that_cannot_fit_is_the_compilers_refusal_named(v5e):
         dry(v5e, "data=4", "dp", "train.global_batch_size=64", "train.seq_len=16384", config="small")
 
 
+def test_over_hbm_compiles_what_does_not_fit_and_says_so():
+    """--over-hbm (a fresh process: libtpu reads the option when it loads): a step that needs
+    1.2 TiB per v5p chip is compiled, its peak is over the chip's HBM, and the report says so."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "spmd.cli.dryrun", "--config", "small", "--topology", "v5p:2x2x1", "--mesh",
+           "data=4", "--rules", "dp", "--set", "train.global_batch_size=64", "--set", "train.seq_len=32768"]  # fmt: skip
+    r = subprocess.run([*cmd, "--over-hbm", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    est = report["chip_estimate"]
+    assert not est["fits"] and report["per_device_bytes"]["peak"] > est["hbm_per_device"]
+    bad = subprocess.run(
+        [*cmd[:3], "--over-hbm", "--host-devices", "4"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --over-hbm needs --topology")
+
+
 def test_topology_errors(monkeypatch, v5e):
     import subprocess
     import sys

@@ -25,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-slices", type=int, default=1, help="--topology slices joined by DCN [1]")
     p.add_argument("--dcn-mesh", default="", help="mesh across slices [data=<num-slices>]")
+    p.add_argument(
+        "--over-hbm",
+        action="store_true",
+        help="with --topology: compile a step that does not fit the chip's HBM anyway (the report says "
+        "so) to see its memory and collectives, instead of the compiler's refusal",
+    )
     add_host_devices(p, "fake CPU devices standing in for the topology", from_env=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="also list every collective instruction")
@@ -52,10 +58,12 @@ def run(args) -> int:
         if args.host_devices is not None:
             raise UserError("--topology and --host-devices both name the devices; give one")
         set_host_platform()
-        devices = topology.devices(args.topology, args.num_slices)
+        devices = topology.devices(args.topology, args.num_slices, over_hbm=args.over_hbm)
         dcn_mesh = dcn_mesh or (f"data={args.num_slices}" if args.num_slices > 1 else "")
     elif args.num_slices != 1:
         raise UserError("--num-slices needs --topology")
+    elif args.over_hbm:
+        raise UserError("--over-hbm needs --topology (XLA:CPU has no memory limit to go over)")
     report = dry_run(
         assemble(args.config, args.mesh, args.rules, overrides=args.set, devices=devices, dcn_mesh=dcn_mesh),
         list_instructions=args.list,
