@@ -78,6 +78,11 @@ def capacity(T: int, E: int, top_k: int, capacity_factor: float) -> int:
     return max(1, min(T, math.ceil(top_k * T * capacity_factor / E)))
 
 
+def dispatched_shape(cfg, B: int, T: int) -> tuple[int, int, int, int]:
+    """(B, E, C, D): the tokens of B sequences of T dispatched to the experts (capacity path)."""
+    return B, cfg.n_experts, capacity(T, cfg.n_experts, cfg.top_k, cfg.capacity_factor), cfg.d_model
+
+
 def dispatch_masks(experts_BTk, weights_BTk, E: int, C: int):
     """GShard dispatch (0/1) and combine (weights) tensors, (B, T, E, C), and the kept choices.
 

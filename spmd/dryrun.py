@@ -45,11 +45,11 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
     per layer forward and twice backward (once more under full remat; an MoE layer's MLP sums
     its dispatched tokens instead, recomputed under remat); expert parallelism moves dispatched
-    tokens by all-to-all (forward, backward, and again under remat); context parallelism moves keys and values (spmd/context.py's three modes); pipeline
-    parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
+    tokens by all-to-all (forward, backward, and again under remat); context parallelism moves
+    keys and values (spmd/context.py's three modes); pipeline parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
     forward, and their gradients back."""
     from models.llama import layer_groups
-    from models.moe import capacity
+    from models.moe import dispatched_shape
 
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
@@ -69,6 +69,11 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     dp = axes_size(sizes, [a for a in batch_axes if a not in stage_axes])
     n_ctx = axes_size(sizes, seq_axes)
     B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx
+    itemsize = np.dtype(m.dtype).itemsize  # activations and cast weights travel in the compute dtype
+    # An MoE layer's (B, E, C, D) dispatched tokens (capacity path; the
+    # dropless path's padded buffers are larger, spmd/moe.py).
+    groups, _, has_moe = layer_groups(m)
+    dispatched = math.prod(dispatched_shape(m, B, cfg.train.seq_len)) * itemsize if has_moe else 0
     out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0, "stage": 0.0}
     for p in plan.params:
         axes = [a for e in p.spec for a in spec_axes(e)]
@@ -80,7 +85,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # weight cast to the compute dtype is gathered cast (a bf16 model gathers bf16), and its
         # gradient leaves the matmuls, and is reduced, in that dtype too (the cast's transpose
         # comes after the reduction); norm scales and the embedding table are used as stored.
-        used = min(1.0, np.dtype(m.dtype).itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
+        used = min(1.0, itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
         gathered = used * p.bytes_total / (shard / f)
         if f > 1:  # the weights gathered (forward; again in the backward), the gradient reduce-scattered
             cost = (gathers + 1) * gathered * (f - 1) / f
@@ -108,7 +113,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
         # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
         # its bf16 figures run up to 2x over this; the TPU compiler sends them as they are.)
-        act = B * T * m.d_model * np.dtype(m.dtype).itemsize
+        act = B * T * m.d_model * itemsize
         # Two partial sums per layer forward (attention and MLP outputs), two backward. Under full
         # remat the backward recomputes the forward as far as the residual after attention, which
         # the MLP's backward reads: one more (the MLP output's is dead there). Under save_dots the
@@ -117,19 +122,13 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # An MoE layer's MLP is its experts: their partial sums are of the dispatched tokens
         # (B, E, C, D), which the backward also recomputes under any remat (the expert einsums have
         # a batch dimension, so save_dots does not keep them, and combining reads their output).
-        groups, _, has_moe = layer_groups(m)
         n_moe = groups * n_layers // m.n_layers if has_moe else 0
-        dispatched = 0
-        if has_moe:
-            C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
-            dispatched = B * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
         moe = 2 + (1 if m.remat != "none" else 0)
         sums = n_layers * attention * act + (n_layers - n_moe) * 2 * act + n_moe * moe * dispatched
         out["tensor"] = 2 * sums * (t - 1) / t
     if n_ctx > 1:
         # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
         t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1
-        itemsize = np.dtype(m.dtype).itemsize
         kv = 2 * B * T * (m.n_kv_heads // t_heads) * m.head_dim * itemsize
         mode = plan.rules.context_parallel
         if mode == "ring":
@@ -149,18 +148,15 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
         # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer; under remat the backward
         # moves them again (the experts' inputs and outputs are not saved: their einsums have a
-        # batch dimension): 6. Capacity path; the dropless path's padded buffers are larger
-        # (spmd/moe.py).
-        C = capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor)
-        buffer = B * m.n_experts * C * m.d_model * np.dtype(m.dtype).itemsize
+        # batch dimension): 6.
         stages = plan.schedule.stages if plan.schedule is not None else 1
         moves = 4 + (2 if m.remat != "none" else 0)
-        out["expert"] = moves * layer_groups(m)[0] // stages * buffer * (n_ep - 1) / n_ep
+        out["expert"] = moves * groups // stages * dispatched * (n_ep - 1) / n_ep
     schedule = plan.schedule
     if schedule is not None:
         # Every row of the device's batch enters each of its stage's R layer groups once: its
         # activations sent on once per repeat, forward, and their gradient back.
-        out["stage"] = 2 * schedule.repeats * B * T * m.d_model * np.dtype(m.dtype).itemsize
+        out["stage"] = 2 * schedule.repeats * B * T * m.d_model * itemsize
     return out
 
 

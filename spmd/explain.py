@@ -191,14 +191,11 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         B = max(1, B // schedule.microbatches)
         token_counts = {n // schedule.microbatches for n in token_counts} | token_counts
         shapes = tuple(s[1:] if len(s) > 1 and s[0] == 1 else s for s in shapes)
-    m = cfg.model
     dispatched = 0  # elements of the (B, E, C, D) tokens dispatched to the experts, per device
-    if getattr(m, "n_experts", 0):
-        from models.moe import capacity
+    if getattr(cfg.model, "n_experts", 0):
+        from models.moe import dispatched_shape
 
-        dispatched = (
-            B * m.n_experts * capacity(cfg.train.seq_len, m.n_experts, m.top_k, m.capacity_factor) * D
-        )
+        dispatched = math.prod(dispatched_shape(cfg.model, B, cfg.train.seq_len))
     for shape in shapes:
         if dispatched and c.kind == "all-reduce" and math.prod(shape) == dispatched:
             names = _names_on(rules, axes, CONTRACTED_IN_LAYERS)
