@@ -2,7 +2,7 @@
 
 Legend: B batch, T query positions, S key positions, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, Q = G * T (a kv head's queries, all groups),
-b = B * K (batch and kv heads merged).
+b = B * K (batch and kv heads merged; on CPU only).
 """
 
 import functools
@@ -35,6 +35,7 @@ def xla_attention(
     q_positions_BT=None,
     k_positions_BS=None,
     segment_ids_BT=None,
+    merge_batch_heads=None,
 ):
     """Plain softmax attention; GQA by grouping query heads, never repeating K/V.
 
@@ -48,6 +49,7 @@ def xla_attention(
     its own segment.
 
     Causal self-attention longer than CAUSAL_BLOCK_MIN runs as query blocks (see CAUSAL_BLOCKS).
+    merge_batch_heads: see _grouped_attention (default: merged for CPU programs only).
     """
     B, T, N, H = q_BTNH.shape
     S = k_BSKH.shape[1]
@@ -62,12 +64,20 @@ def xla_attention(
                 lo,
                 segment_ids_BT=segment_ids_BT[:, lo : lo + block] if seg else None,
                 k_segment_ids_BS=segment_ids_BT[:, : lo + block] if seg else None,
+                merge_batch_heads=merge_batch_heads,
             )
             for lo in range(0, T, block)
         ]
         return jnp.concatenate(outs, axis=1)
     return _grouped_attention(
-        q_BTNH, k_BSKH, v_BSKH, 0 if causal else None, q_positions_BT, k_positions_BS, segment_ids_BT
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        0 if causal else None,
+        q_positions_BT,
+        k_positions_BS,
+        segment_ids_BT,
+        merge_batch_heads=merge_batch_heads,
     )
 
 
@@ -80,32 +90,52 @@ def _grouped_attention(
     k_positions_BS=None,
     segment_ids_BT=None,
     k_segment_ids_BS=None,
+    merge_batch_heads=None,
 ):
     """xla_attention's math for one block of queries. causal_offset: None (not causal) or the
     position of the first query, the keys starting at position 0; k_segment_ids_BS: the keys'
-    segment ids where the keys are not the queries."""
+    segment ids where the keys are not the queries.
+
+    merge_batch_heads (default: when the program is for CPU) lays (B, K) end to end as one batch
+    axis b, the form XLA:CPU runs fastest. Elsewhere the dots keep B and K as two batch axes: when
+    B and K are split over different mesh axes (data and tensor), GSPMD cannot carry both splits
+    through the merge and gathers the operands over the heads' axis (measured on the TPU compiler,
+    docs/performance.md, issue 20)."""
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
-    causal = causal_offset is not None
     G = N // K
+    if merge_batch_heads is None:
+        merge_batch_heads = target_platform() == "cpu"
+    mask_BTS = None  # or (1, T, S) when the same for every row
+    if q_positions_BT is not None:
+        kpos_B1S = k_positions_BS[:, None, :]
+        mask_BTS = (kpos_B1S >= 0) & (kpos_B1S <= q_positions_BT[:, :, None])
+    elif segment_ids_BT is not None:
+        k_seg_BS = segment_ids_BT if k_segment_ids_BS is None else k_segment_ids_BS
+        mask_BTS = segment_ids_BT[:, :, None] == k_seg_BS[:, None, :]
+    if causal_offset is not None and q_positions_BT is None:
+        causal_1TS = (jnp.arange(T)[:, None] + causal_offset >= jnp.arange(S)[None, :])[None]
+        mask_BTS = causal_1TS if mask_BTS is None else mask_BTS & causal_1TS
+    if not merge_batch_heads:
+        q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+        logits_BKGTS = jnp.einsum(
+            "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+        ) * (H**-0.5)
+        if mask_BTS is not None:
+            logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+        probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
+        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
+        return out_BTKGH.reshape(B, T, N, H)
     # (B, K) merged into one batch axis "b": dots with a single batch axis are the fast ones.
     q_bQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, H)
     k_bSH = k_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
     v_bSH = v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
     mask_bQS = None
-    if q_positions_BT is not None:
-        kpos_B1S = k_positions_BS[:, None, :]
-        mask_BTS = (kpos_B1S >= 0) & (kpos_B1S <= q_positions_BT[:, :, None])
-        mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
-    elif segment_ids_BT is not None:
-        k_seg_BS = segment_ids_BT if k_segment_ids_BS is None else k_segment_ids_BS
-        mask_BTS = segment_ids_BT[:, :, None] == k_seg_BS[:, None, :]
-        if causal:
-            mask_BTS = mask_BTS & (jnp.arange(T)[:, None] + causal_offset >= jnp.arange(S)[None, :])[None]
-        mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
-    elif causal:
-        t_Q = jnp.tile(jnp.arange(T) + causal_offset, G)  # query position of each row of Q
-        mask_bQS = (t_Q[:, None] >= jnp.arange(S)[None, :])[None]
+    if mask_BTS is not None:
+        # A mask the same for every row stays one row (broadcast over b by the where).
+        Bm = mask_BTS.shape[0]
+        Km = K if Bm > 1 else 1
+        mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (Bm, Km, G, T, S)).reshape(Bm * Km, G * T, S)
     logits_bQS = jnp.einsum("bQH,bSH->bQS", q_bQH, k_bSH, preferred_element_type=jnp.float32) * (H**-0.5)
     if mask_bQS is not None:
         logits_bQS = jnp.where(mask_bQS, logits_bQS, jnp.finfo(jnp.float32).min)
