@@ -37,16 +37,18 @@ def ring_volume(kind: str, result_bytes: int, group: int) -> float:
 
 def analytic_minimum(cfg, plan) -> dict[str, float]:
     """Lower bound on bytes each device sends per step, by parallelism (see module doc):
-    FSDP gathers every parameter forward (and again backward, under remat) and reduce-scatters its
-    gradient, all in the dtype the model uses it in (the compute dtype for the weights it casts:
-    ParamInfo.compute_cast), except an untied embedding table where moving the looked-up rows is
+    FSDP gathers every parameter forward and again backward and reduce-scatters its gradient, in
+    the dtype the model uses it in (the compute dtype for the weights it casts:
+    ParamInfo.compute_cast; on TPU a float32 matmul at default precision reads its operands as
+    bfloat16, so they are gathered so), except an untied embedding table where moving the looked-up rows is
     less; a sharded weight update reduce-scatters the gradient and gathers the parameter; data
     parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
     per layer forward and twice backward (once more under full remat; an MoE layer's MLP sums
     its dispatched tokens instead, recomputed under remat); expert parallelism moves dispatched
     tokens by all-to-all (forward, backward, and again under remat); context parallelism moves
-    keys and values (spmd/context.py's three modes); pipeline parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
+    keys and values (spmd/context.py's three modes); a vocabulary split over a non-batch axis sums
+    the embedding lookup forward and the logits' input gradient backward; pipeline parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
     forward, and their gradients back."""
     from models.llama import layer_groups
     from models.moe import dispatched_shape
@@ -61,15 +63,22 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     # Pipeline stages hold different layers: a parameter split over them is never gathered.
     stage_axes = plan.schedule.axes if plan.schedule is not None else ()
     m = cfg.model
-    # Without rematerialisation the forward's gathered weights can be kept for the backward (at
-    # their memory); with it, the backward gathers them again.
-    gathers = 1 if m.remat == "none" else 2
+    # Each layer's gathered weights are freed after its forward and gathered again for its
+    # backward (there, once for recomputation and gradients both): keeping them instead would hold
+    # every layer's unsharded weights from forward to backward, the memory FSDP exists to save.
+    # That is ZeRO-3 and FSDP's default (torch's reshard_after_forward); the layers' scan reads the
+    # sharded weights in both loops, so the compiler gathers twice with or without remat.
+    gathers = 2
     # Tokens on one device as the layers see them, and the layers it runs: under a pipeline, the
     # rows of its stage (the stage axes do not split them there) through n_layers / S layers.
     dp = axes_size(sizes, [a for a in batch_axes if a not in stage_axes])
     n_ctx = axes_size(sizes, seq_axes)
     B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx
     itemsize = np.dtype(m.dtype).itemsize  # activations and cast weights travel in the compute dtype
+    # The bytes a matmul reads one weight element as: on TPU, default precision rounds float32
+    # operands to bfloat16 (one pass), and the compiler gathers them rounded (seen in its HLO).
+    platform = plan.mesh.devices.flat[0].platform
+    read_itemsize = min(itemsize, 2) if platform == "tpu" else itemsize
     # An MoE layer's (B, E, C, D) dispatched tokens (capacity path; the
     # dropless path's padded buffers are larger, spmd/moe.py).
     groups, _, has_moe = layer_groups(m)
@@ -86,9 +95,10 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # gradient leaves the matmuls, and is reduced, in that dtype too (the cast's transpose
         # comes after the reduction); norm scales and the embedding table are used as stored.
         used = min(1.0, itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
+        read = min(1.0, read_itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
         gathered = used * p.bytes_total / (shard / f)
-        if f > 1:  # the weights gathered (forward; again in the backward), the gradient reduce-scattered
-            cost = (gathers + 1) * gathered * (f - 1) / f
+        if f > 1:  # the weights gathered (forward, again in the backward), the gradient reduce-scattered
+            cost = (gathers * read / used + 1) * gathered * (f - 1) / f
             if p.logical[:1] == ("vocab",) and not m.tie_embeddings:
                 # The embedding table is only read by the lookup: instead of gathering it, the
                 # devices can send each other the pieces of the rows their tokens need, and the
@@ -108,12 +118,12 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
             grad, replicas = grad / z, replicas // z
         if replicas > 1:
             out["data"] += 2 * grad * (replicas - 1) / replicas
+    act = B * T * m.d_model * itemsize  # one (B, T, D) activation
     n_layers = m.n_layers // (plan.schedule.stages if plan.schedule is not None else 1)
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
         # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
         # its bf16 figures run up to 2x over this; the TPU compiler sends them as they are.)
-        act = B * T * m.d_model * itemsize
         # Two partial sums per layer forward (attention and MLP outputs), two backward. Under full
         # remat the backward recomputes the forward as far as the residual after attention, which
         # the MLP's backward reads: one more (the MLP output's is dead there). Under save_dots the
@@ -126,6 +136,14 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         moe = 2 + (1 if m.remat != "none" else 0)
         sums = n_layers * attention * act + (n_layers - n_moe) * 2 * act + n_moe * moe * dispatched
         out["tensor"] = 2 * sums * (t - 1) / t
+    # The vocabulary split over an axis that does not carry the batch (Megatron's vocab-parallel
+    # embedding and logits): the lookup's rows are summed over it forward (each device has the rows
+    # of its part of the vocabulary, zeros elsewhere), and the logits' input gradient backward: two
+    # (B, T, D) all-reduces. (The loss's per-token statistics over it, under 1/D of that, are
+    # left out.)
+    for a in plan.rules.mapping.get("vocab", ()):
+        if a not in batch_axes + expert_axes and sizes.get(a, 1) > 1 and a in out:
+            out[a] += 2 * 2 * act * (sizes[a] - 1) / sizes[a]
     if n_ctx > 1:
         # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
         t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1

@@ -203,6 +203,30 @@ def _axes_of(groups, coords: dict[int, tuple[int, ...]], names) -> tuple[str, ..
     return tuple(names[i] for i in sorted(varying))
 
 
+_CHANNEL = re.compile(r"channel_id=(\d+)")
+
+
+def _is_async_start(lines) -> bool:
+    root = next((x for x in lines if x.strip().startswith("ROOT")), "")
+    return 'custom_call_target="AsyncCollectiveStart"' in root
+
+
+def _async_started(comps) -> set[tuple[str, str]]:
+    """(kind, channel id) of the TPU compiler's async collective fusions. It splits such a
+    collective over a start fusion (whose root is an AsyncCollectiveStart custom call), one or more
+    continuation fusions it overlaps with compute, and a done fusion, and writes the collective
+    into each of them with the same channel id: it runs, and sends its bytes, once."""
+    out = set()
+    for lines in comps.values():
+        if _is_async_start(lines):
+            for line in lines:
+                m = _INSTR.match(line)
+                channel = _CHANNEL.search(m.group(4)) if m else None
+                if m and channel and m.group(3) in KINDS:
+                    out.add((m.group(3), channel.group(1)))
+    return out
+
+
 def collectives(text: str, mesh) -> list[Collective]:
     """Every collective instruction of the optimised module, with its mesh axes and per-step count."""
     comps, entry = _computations(text)
@@ -211,8 +235,10 @@ def collectives(text: str, mesh) -> list[Collective]:
     # Replica groups name devices by their place in the program's device assignment (the mesh's
     # devices in order), not by device id: the two differ for a permuted mesh or TPU slices.
     coords = {i: tuple(int(c) for c in idx) for i, (idx, _) in enumerate(np.ndenumerate(mesh.devices))}
+    started = _async_started(comps)
     out = []
     for comp, lines in comps.items():
+        starts = _is_async_start(lines)
         for line in lines:
             m = _INSTR.match(line)
             if not m:
@@ -221,6 +247,9 @@ def collectives(text: str, mesh) -> list[Collective]:
             kind = op[: -len("-start")] if op.endswith("-start") else op
             if kind not in KINDS or mult.get(comp, 0) == 0:
                 continue
+            channel = _CHANNEL.search(m.group(4))
+            if not starts and channel and (kind, channel.group(1)) in started:
+                continue  # a copy of an async collective in its continuation or done fusion
             shape, rest = m.group(2), m.group(4)
             arrays = _ARRAY.findall(shape)
             # The TPU compiler's collective-permute-start also returns two u32[] context scalars.

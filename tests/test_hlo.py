@@ -59,3 +59,56 @@ def test_loop_trip_counts_from_conditions_and_counter_steps():
     ]:
         (c,) = hlo.collectives(_module(counter, bound, step), _Mesh)
         assert (c.kind, c.axes, c.bytes, c.count) == ("collective-permute", ("fsdp",), block, trips)
+
+
+# One all-gather as the TPU compiler's async collective fusion writes it (libtpu 0.0.50, trimmed
+# from a compiled `tiny` fsdp step): a start fusion, a continuation overlapping it with a matmul,
+# and a done fusion, each with a copy of the all-gather under the same channel id. Beside it, a
+# plain all-gather.
+_ASYNC = """HloModule m
+
+%start (p0: bf16[64,512]) -> (bf16[64,512], bf16[256,512], u32[]) {
+  %p0 = bf16[64,512]{1,0} parameter(0)
+  %ag.1 = bf16[256,512]{1,0} all-gather(%p0), channel_id=72, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+  ROOT %cc.1 = (bf16[64,512]{1,0}, bf16[256,512]{1,0}, u32[]{:S(2)}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%continue (p1: bf16[64,512], p2: bf16[8,256], p3: bf16[256,512]) -> (bf16[8,512], bf16[256,512]) {
+  %p1 = bf16[64,512]{1,0} parameter(0)
+  %p2 = bf16[8,256]{1,0} parameter(1)
+  %p3 = bf16[256,512]{1,0} parameter(2)
+  %mm = bf16[8,512]{1,0} convolution(%p2, %p3), dim_labels=bf_io->bf
+  %ag.2 = bf16[256,512]{1,0} all-gather(%p1), channel_id=72, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+  ROOT %t = (bf16[8,512]{1,0}, bf16[256,512]{1,0}) tuple(%mm, %ag.2)
+}
+
+%done (p4: bf16[64,512], p5: bf16[256,512]) -> bf16[256,512] {
+  %p4 = bf16[64,512]{1,0} parameter(0)
+  %p5 = bf16[256,512]{1,0} parameter(1)
+  %ag.3 = bf16[256,512]{1,0} all-gather(%p4), channel_id=72, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+  ROOT %cc.2 = bf16[256,512]{1,0} custom-call(%p4, %p5, %ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (w: bf16[64,512], x: bf16[8,256], y: bf16[64,512]) -> (bf16[256,512], bf16[256,512]) {
+  %w = bf16[64,512]{1,0} parameter(0)
+  %x = bf16[8,256]{1,0} parameter(1)
+  %y = bf16[64,512]{1,0} parameter(2)
+  %s = (bf16[64,512]{1,0}, bf16[256,512]{1,0}, u32[]{:S(2)}) fusion(%w), kind=kCustom, calls=%start
+  %b = bf16[256,512]{1,0} get-tuple-element(%s), index=1
+  %c = (bf16[8,512]{1,0}, bf16[256,512]{1,0}) fusion(%w, %x, %b), kind=kOutput, calls=%continue
+  %cb = bf16[256,512]{1,0} get-tuple-element(%c), index=1
+  %d = bf16[256,512]{1,0} fusion(%w, %cb), kind=kCustom, calls=%done
+  %plain = bf16[256,512]{1,0} all-gather(%y), channel_id=73, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+  ROOT %r = (bf16[256,512]{1,0}, bf16[256,512]{1,0}) tuple(%d, %plain)
+}
+"""
+
+
+def test_an_async_collective_fusion_is_one_collective():
+    """The three copies of an async all-gather are one collective (counted three times, the
+    weights of a `tiny` fsdp step came out gathered three times over); the plain one counts too."""
+    items = hlo.collectives(_ASYNC, _Mesh)
+    assert [(c.kind, c.axes, c.bytes, c.count, c.computation) for c in items] == [
+        ("all-gather", ("fsdp",), 256 * 512 * 2, 1, "start"),
+        ("all-gather", ("fsdp",), 256 * 512 * 2, 1, "main"),
+    ]

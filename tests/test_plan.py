@@ -38,7 +38,7 @@ def test_goes_down_the_ranking_until_enough_fit_once_compiled():
         "--devices",
         "8",
         "--memory-per-device",
-        "2.75MiB",
+        "3MiB",
         "--hardware",
         "cpu",
         "--candidates",
@@ -50,7 +50,7 @@ def test_goes_down_the_ranking_until_enough_fit_once_compiled():
     # are rejected with the compiled figure and the planner compiles further until two fit.
     compiled_out = [line for line in r.stdout.splitlines() if "compiled step needs" in line]
     assert compiled_out and all(
-        "(peak: arguments + outputs - aliased + temporaries) > budget 2.75 MiB" in line
+        "(peak: arguments + outputs - aliased + temporaries) > budget 3.00 MiB" in line
         for line in compiled_out
     )
     assert "  2. --mesh" in r.stdout and "  3. --mesh" not in r.stdout
