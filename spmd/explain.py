@@ -229,6 +229,23 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         names = _names_on(rules, axes, ("act_seq", "act_embed", "act_vocab"))
         if names:
             return _rule(names, axes), "activations resharded"
+    # Last: a layer's weight gathered in a transposed layout (the TPU compiler's choice for
+    # llama-70b fsdp=256: wk and wv as (K, H, D)), its dims a permutation of the gathered shard's;
+    # by an all-gather, or an all-reduce of zero-padded shards in the forward or its
+    # recomputation (a gradient, summed in the backward, is not a gather). Only over the axes that
+    # split the weight, outside a pipeline's stage axes.
+    gather = c.kind == "all-gather" or (
+        c.kind == "all-reduce"
+        and (c.as_gather or "transpose(" not in c.op_name or "rematted_computation" in c.op_name)
+    )
+    if gather and in_layers and not (schedule is not None and set(axes) & set(schedule.axes)):
+        for shape in shapes:
+            for p_shape, p, dim in params:
+                if dim is not None and sorted(_squeeze(shape)) == sorted(_squeeze(p_shape)):
+                    what = "weights gathered (in a transposed layout"
+                    if c.kind == "all-reduce":
+                        return _rule([p.logical[dim]], axes), AS_ALL_REDUCE_GATHER
+                    return _rule([p.logical[dim]], axes), what + ")"
     return None
 
 

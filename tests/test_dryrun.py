@@ -131,3 +131,30 @@ def test_explain_attributes_tensor_parallel_traffic_to_its_rules(tmp_path):
         "weights gathered",
         "partial sums of a layer's matmuls over a split dimension",
     }
+
+
+def test_explain_finds_a_weight_gathered_in_a_transposed_layout():
+    """The TPU compiler gathers some weights with their dims permuted (llama-70b fsdp=256: wk and
+    wv as (K, H, D)): --explain calls those weights gathered, by all-gather or (forward, or its
+    recomputation) as an all-reduce of zero-padded shards; the same shape summed in the backward
+    is not a gather."""
+    from spmd import explain
+    from spmd.hlo import Collective
+
+    setup = assemble("tiny", "fsdp=8", "fsdp")
+    (wk,) = [p for p in setup.plan.params if p.path.endswith("wk_DKH")]
+    D, K, H = wk.shape[1:]
+    body = "jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general"
+
+    def why(kind, op_name, as_gather=False):
+        c = Collective(kind, ("fsdp",), 4 * D * K * H, 2, "c", 2, "x", ((K, H, D),), op_name, as_gather)
+        return explain.attribute(c, setup.plan, setup.cfg)
+
+    assert why("all-gather", body) == ("embed -> fsdp", "weights gathered (in a transposed layout)")
+    assert why("all-reduce", body, as_gather=True) == ("embed -> fsdp", explain.AS_ALL_REDUCE_GATHER)
+    remat = (
+        "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/checkpoint/rematted_computation/dot_general"
+    )
+    assert why("all-reduce", remat) == ("embed -> fsdp", explain.AS_ALL_REDUCE_GATHER)
+    backward = why("all-reduce", "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/dot_general")
+    assert backward is None or "gathered" not in backward[1]
