@@ -115,7 +115,7 @@ def test_xla_causal_query_blocks_match_reference(groups, segments, T):
     assert hlo_lib.matmul_flops(hlo) < 0.8 * full
 
 
-LAYOUTS = [(True, 2, False, 40), (False, 4, True, 40), (True, 1, True, 150), (True, 2, False, 150)]
+LAYOUTS = [(True, 2, False, 40), (False, 4, True, 40), (True, 2, True, 150)]
 
 
 @pytest.mark.parametrize(
@@ -140,8 +140,8 @@ def test_xla_attention_with_batch_and_heads_kept_apart_matches_reference(causal,
     ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids_BT=seg)[0]  # noqa: E731
     ref_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
     for merged in (False, True):
-        assert rel_err(ours(merged)(q, k, v), ref(q, k, v)) <= 1e-5
-        grads = jax.grad(loss(ours(merged)), argnums=(0, 1, 2))(q, k, v)
+        assert rel_err(jax.jit(ours(merged))(q, k, v), ref(q, k, v)) <= 1e-5
+        grads = jax.jit(jax.grad(loss(ours(merged)), argnums=(0, 1, 2)))(q, k, v)
         for name, g, r in zip("qkv", grads, ref_grads):
             assert rel_err(g, r) <= 1e-5, f"merged={merged} d{name}: {rel_err(g, r)}"
     # With positions (decoding: padded slots at -1), both layouts mask the same keys.
