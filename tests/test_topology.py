@@ -163,14 +163,22 @@ def test_a_step_that_cannot_fit_is_the_compilers_refusal_named(v5e):
 
 def test_over_hbm_compiles_what_does_not_fit_and_says_so():
     """--over-hbm (a fresh process: libtpu reads the option when it loads): a step that needs
-    0.9 TiB per v5p chip (`tiny` at 32k tokens, its attention scores whole) is compiled, its peak
-    is over the chip's HBM, and the report says so."""
+    158 GiB per v5p chip (`tiny` widened to 7.6B parameters, replicated with their AdamW moments
+    under dp; few tokens, so it compiles in seconds) is compiled, its peak is over the chip's HBM,
+    and the report says so."""
     import json
     import subprocess
     import sys
 
+    wide = [
+        "model.d_model=16384",
+        "model.d_ff=65536",
+        "model.n_heads=128",
+        "model.n_kv_heads=8",
+        "model.head_dim=128",
+    ]
     cmd = [sys.executable, "-m", "spmd.cli.dryrun", "--config", "tiny", "--topology", "v5p:2x2x1", "--mesh",
-           "data=4", "--rules", "dp", "--set", "train.global_batch_size=64", "--set", "train.seq_len=32768"]  # fmt: skip
+           "data=4", "--rules", "dp", "--set", "train.global_batch_size=4", *(a for w in wide for a in ("--set", w))]  # fmt: skip
     r = subprocess.run([*cmd, "--over-hbm", "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
