@@ -236,6 +236,15 @@ class Trainer:
         }
 
 
+def init_compiler_options(mesh) -> dict | None:
+    """XLA options for the parameter initialiser. On CPU its program is mostly threefry random
+    bits, one fusion per parameter, and LLVM's full optimisation of each costs more than the
+    program ever runs: at `xla_backend_optimization_level=1` the initialiser compiles 2.5-4.4x
+    faster (tiny-moe 6.0 -> 1.4 s) and gives bit-identical parameters (level 0 does not), while it
+    runs a few ms longer. Other platforms compile it as they compile everything else."""
+    return {"xla_backend_optimization_level": 1} if mesh.devices.flat[0].platform == "cpu" else None
+
+
 def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
     tcfg = cfg.train
@@ -378,7 +387,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             donate_argnums=0,
         ),
         eval_step=build_eval_step(cfg, plan),
-        init_state=jax.jit(init, out_shardings=state_shardings),
+        init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=init_compiler_options(mesh)),
         state_from_params=jax.jit(from_params, out_shardings=state_shardings),
     )
 
