@@ -23,7 +23,7 @@ from kernels import ring_attention as ring
 from kernels.chunked_attention import traced_zero
 from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, split_axes, split_size
 from spmd.logical import active as active_sharding
-from spmd.mesh import axes_size, format_axes
+from spmd.mesh import axes_size, format_axes, platform_of
 from spmd.rules import CONTEXT_PARALLEL
 
 
@@ -118,7 +118,7 @@ def context_attention(
                 causal=causal,
                 sub_chunks=ring.sub_chunks(layout(rules)),
                 **(
-                    {"tpu": kernel == "pallas_tpu", "interpret": mesh.devices.flat[0].platform == "cpu"}
+                    {"tpu": kernel == "pallas_tpu", "interpret": platform_of(mesh) == "cpu"}
                     if blocks is ring.ring_flash_attention
                     else {}
                 ),

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from spmd.errors import UserError
-from spmd.mesh import MESH_AXES, axes_size, format_mesh, spec_axes
+from spmd.mesh import MESH_AXES, axes_size, format_mesh, platform_of, spec_axes
 
 
 def ring_volume(kind: str, result_bytes: int, group: int) -> float:
@@ -40,16 +40,17 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     FSDP gathers every parameter forward and again backward and reduce-scatters its gradient, in
     the dtype the model uses it in (the compute dtype for the weights it casts:
     ParamInfo.compute_cast; on TPU a float32 matmul at default precision reads its operands as
-    bfloat16, so they are gathered so), except an untied embedding table where moving the looked-up rows is
-    less; a sharded weight update reduce-scatters the gradient and gathers the parameter; data
+    bfloat16, and they are gathered as such), except an untied embedding table where moving the
+    looked-up rows is less; a sharded weight update reduce-scatters the gradient and gathers the parameter; data
     parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
     gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
     per layer forward and twice backward (once more under full remat; an MoE layer's MLP sums
     its dispatched tokens instead, recomputed under remat); expert parallelism moves dispatched
     tokens by all-to-all (forward, backward, and again under remat); context parallelism moves
     keys and values (spmd/context.py's three modes); a vocabulary split over a non-batch axis sums
-    the embedding lookup forward and the logits' input gradient backward; pipeline parallelism sends each microbatch's (b, T, D) activations to the next stage once per repeat,
-    forward, and their gradients back."""
+    the embedding lookup forward and the logits' input gradient backward; pipeline parallelism
+    sends each microbatch's (b, T, D) activations to the next stage once per repeat, forward, and
+    their gradients back."""
     from models.llama import layer_groups
     from models.moe import dispatched_shape
 
@@ -77,7 +78,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     itemsize = np.dtype(m.dtype).itemsize  # activations and cast weights travel in the compute dtype
     # The bytes a matmul reads one weight element as: on TPU, default precision rounds float32
     # operands to bfloat16 (one pass), and the compiler gathers them rounded (seen in its HLO).
-    platform = plan.mesh.devices.flat[0].platform
+    platform = platform_of(plan.mesh)
     read_itemsize = min(itemsize, 2) if platform == "tpu" else itemsize
     # An MoE layer's (B, E, C, D) dispatched tokens (capacity path; the
     # dropless path's padded buffers are larger, spmd/moe.py).
@@ -354,7 +355,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     peak = peak_bytes(mem, host)
     return {
         "config": cfg.name,
-        "platform": mesh.devices.flat[0].platform,
+        "platform": platform_of(mesh),
         "device_kind": mesh.devices.flat[0].device_kind,
         "chip_estimate": chip_estimate(setup, rows, flops, peak, slices),
         # Across TPU slices the compiler moves data with send/recv pairs (megascale), which the

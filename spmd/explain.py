@@ -242,10 +242,12 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         for shape in shapes:
             for p_shape, p, dim in params:
                 if dim is not None and sorted(_squeeze(shape)) == sorted(_squeeze(p_shape)):
-                    what = "weights gathered (in a transposed layout"
-                    if c.kind == "all-reduce":
-                        return _rule([p.logical[dim]], axes), AS_ALL_REDUCE_GATHER
-                    return _rule([p.logical[dim]], axes), what + ")"
+                    what = (
+                        AS_ALL_REDUCE_GATHER
+                        if c.kind == "all-reduce"
+                        else "weights gathered (in a transposed layout)"
+                    )
+                    return _rule([p.logical[dim]], axes), what
     return None
 
 

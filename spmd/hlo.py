@@ -211,20 +211,21 @@ def _is_async_start(lines) -> bool:
     return 'custom_call_target="AsyncCollectiveStart"' in root
 
 
-def _async_started(comps) -> set[tuple[str, str]]:
-    """(kind, channel id) of the TPU compiler's async collective fusions. It splits such a
-    collective over a start fusion (whose root is an AsyncCollectiveStart custom call), one or more
-    continuation fusions it overlaps with compute, and a done fusion, and writes the collective
-    into each of them with the same channel id: it runs, and sends its bytes, once."""
-    out = set()
-    for lines in comps.values():
-        if _is_async_start(lines):
-            for line in lines:
-                m = _INSTR.match(line)
-                channel = _CHANNEL.search(m.group(4)) if m else None
-                if m and channel and m.group(3) in KINDS:
-                    out.add((m.group(3), channel.group(1)))
-    return out
+def _async_started(comps) -> tuple[set[str], set[tuple[str, str]]]:
+    """(the start fusions, the (kind, channel id) of their collectives) of the TPU compiler's
+    async collective fusions. It splits such a collective over a start fusion (whose root is an
+    AsyncCollectiveStart custom call), one or more continuation fusions it overlaps with compute,
+    and a done fusion, and writes the collective into each of them with the same channel id: it
+    runs, and sends its bytes, once."""
+    starts = {comp for comp, lines in comps.items() if _is_async_start(lines)}
+    started = set()
+    for comp in starts:
+        for line in comps[comp]:
+            m = _INSTR.match(line)
+            channel = _CHANNEL.search(m.group(4)) if m else None
+            if m and channel and m.group(3) in KINDS:
+                started.add((m.group(3), channel.group(1)))
+    return starts, started
 
 
 def collectives(text: str, mesh) -> list[Collective]:
@@ -235,10 +236,9 @@ def collectives(text: str, mesh) -> list[Collective]:
     # Replica groups name devices by their place in the program's device assignment (the mesh's
     # devices in order), not by device id: the two differ for a permuted mesh or TPU slices.
     coords = {i: tuple(int(c) for c in idx) for i, (idx, _) in enumerate(np.ndenumerate(mesh.devices))}
-    started = _async_started(comps)
+    starts, started = _async_started(comps)
     out = []
     for comp, lines in comps.items():
-        starts = _is_async_start(lines)
         for line in lines:
             m = _INSTR.match(line)
             if not m:
@@ -248,7 +248,7 @@ def collectives(text: str, mesh) -> list[Collective]:
             if kind not in KINDS or mult.get(comp, 0) == 0:
                 continue
             channel = _CHANNEL.search(m.group(4))
-            if not starts and channel and (kind, channel.group(1)) in started:
+            if comp not in starts and channel and (kind, channel.group(1)) in started:
                 continue  # a copy of an async collective in its continuation or done fusion
             shape, rest = m.group(2), m.group(4)
             arrays = _ARRAY.findall(shape)

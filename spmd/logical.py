@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import jax
 from jax.sharding import NamedSharding
 
-from spmd.mesh import axes_size
+from spmd.mesh import axes_size, platform_of
 
 # Logical axes of activations that both the model and the parallel implementations name.
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")  # queries and attention outputs, BTNH
@@ -105,7 +105,7 @@ def target_platform() -> str:
     """The platform of the devices the traced program is for: the active mesh's (compile-only TPU
     devices in a dry-run), else JAX's default devices'."""
     current = _ACTIVE.get()
-    return (current.mesh.devices.flat[0] if current is not None else jax.devices()[0]).platform
+    return platform_of(current.mesh) if current is not None else jax.devices()[0].platform
 
 
 def per_shard(fn, in_logical, out_logical):

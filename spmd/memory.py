@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import UserError
+from spmd.mesh import platform_of
 
 HOST = "pinned_host"
 
@@ -48,7 +49,7 @@ def moves_inside_programs(mesh) -> bool:
 
 def check(cfg, mesh) -> None:
     """UserError for an offload the backend of `mesh` cannot do, naming what to change."""
-    platform = mesh.devices.flat[0].platform
+    platform = platform_of(mesh)
     if cfg.optimizer.offload and not host_memory_kinds(mesh):
         raise UserError(
             f"optimizer.offload = true needs host memory (memory kind {HOST}), which the {platform} "

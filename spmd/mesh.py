@@ -88,6 +88,12 @@ def spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def platform_of(mesh: Mesh) -> str:
+    """The platform a mesh's programs are compiled for ("cpu", "gpu", "tpu"; compile-only TPU
+    devices in a dry-run say "tpu")."""
+    return mesh.devices.flat[0].platform
+
+
 def axes_size(sizes: Mapping[str, int], axes) -> int:
     """How many ways `axes` split a dimension: the product of their sizes (1 for no axes).
     `sizes` is a mesh's shape (`mesh.shape`) or any axis -> size mapping."""

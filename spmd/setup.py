@@ -26,7 +26,7 @@ from spmd import memory
 from spmd import sharding as sharding_lib
 from spmd.config import Config, apply_overrides, load_config
 from spmd.errors import UserError
-from spmd.mesh import axes_size, build_mesh
+from spmd.mesh import axes_size, build_mesh, platform_of
 from spmd.rules import Rules, load_rules
 from spmd.train import Trainer, build_eval_step, build_trainer
 
@@ -92,7 +92,7 @@ def assemble(
     """
     cfg = load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
     device_mesh = build_mesh(mesh, dcn_mesh, devices)
-    platform = device_mesh.devices.flat[0].platform
+    platform = platform_of(device_mesh)
     try:
         attention_desc = attention.describe(cfg.model.attention_impl, cfg.train.seq_len, platform)
         model_cfg = cfg.model
