@@ -7,7 +7,7 @@ median step and the median over windows of its speed-up against the first.
 
 A variant is a comma-separated list of config overrides (`section.key=value`) and XLA compiler
 options (`xla:name=value`, passed to `compile(compiler_options=...)`); '' is the baseline.
-One CPU device. Losses are printed too: a variant that only changes speed keeps them (to rounding).
+One CPU device unless --devices (fake CPU devices) with --mesh and --rules. Losses are printed too: a variant that only changes speed keeps them (to rounding).
 """
 
 import argparse
@@ -43,6 +43,9 @@ def main() -> None:
     p.add_argument("--config", default="small")
     p.add_argument("--set", action="append", default=[], help="override for every variant")
     p.add_argument("--variant", action="append", default=[], help="see above; the first is the baseline")
+    p.add_argument("--devices", type=int, default=1, help="fake CPU devices (default 1)")
+    p.add_argument("--mesh", default="", help="mesh over --devices (e.g. data=2)")
+    p.add_argument("--rules", default="dp")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4, help="steps per window")
     args = p.parse_args()
@@ -53,6 +56,7 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)
     from spmd.errors import UserError
     from spmd.setup import assemble
 
@@ -60,7 +64,9 @@ def main() -> None:
     for text in args.variant:
         overrides, options = parse_variant(text)
         try:
-            setup = assemble(args.config, "", "dp", overrides=args.set + overrides, devices=jax.devices()[:1])
+            setup = assemble(
+                args.config, args.mesh, args.rules, overrides=args.set + overrides, devices=jax.devices()
+            )
         except UserError as e:
             print(f"error: variant {text!r}: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -82,7 +88,9 @@ def main() -> None:
             if r:
                 run["times"].append(statistics.median(times))
     base = runs[0]["times"]
-    print(f"\n`{args.config}` {' '.join(args.set)}: {args.rounds} rounds of {args.steps} steps\n")
+    print(
+        f"\n`{args.config}` {args.mesh or '1 device'} {' '.join(args.set)}: {args.rounds} rounds of {args.steps} steps\n"
+    )
     print("| variant | step (ms) | speed-up vs baseline | loss after the last step |\n|---|---:|---:|---:|")
     for run in runs:
         speedup = statistics.median(b / t for b, t in zip(base, run["times"], strict=True))

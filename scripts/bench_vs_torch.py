@@ -25,7 +25,8 @@ Groups:
   against a PyTorch static-cache loop, eager and torch.compile.
 - dp: `small` (fp32) data parallel over 2 processes on loopback, one core each: jax.distributed
   against DDP over gloo; step time and gradient bytes each process sends per step (ours from the
-  compiled HLO's collectives, PyTorch's counted in a DDP comm hook).
+  compiled HLO's collectives, PyTorch's counted in a DDP comm hook). Ours twice: as it runs (one
+  flat gradient vector, `train.grad_reduce=auto`) and with XLA's all-reduce of every array (`xla`).
 """
 
 import argparse
@@ -243,7 +244,8 @@ def jax_dp(s: dict):
     from spmd.setup import assemble
 
     distributed.initialize(f"127.0.0.1:{s['port']}", s["world"], s["rank"])
-    setup = assemble("small", f"data={s['world']}", "dp", overrides=["model.dtype=float32"])
+    overrides = ["model.dtype=float32", f"train.grad_reduce={s['grad_reduce']}"]
+    setup = assemble("small", f"data={s['world']}", "dp", overrides=overrides)
     trainer, batches = setup.trainer, setup.batches()
     box = {"state": trainer.init_state(), "i": 0}
     compiled = trainer.train_step.lower(box["state"], batches.train_batch(0)).compile()
@@ -527,22 +529,34 @@ def group_dp(args, table):
 
     cfg = load_config("small")
     base = {"world": 2, "steps": args.steps, "warmup": 3}
-    ours = [base | {"kind": "dp", "rank": r, "port": free_port()} for r in range(2)]
-    ours[1]["port"] = ours[0]["port"]
+    # Ours as it runs (train.grad_reduce=auto: one flat gradient vector across processes) and with
+    # XLA's own all-reduce of every gradient array, the layout before issue 19's change.
+    variants = {"ours": "auto", "ours xla": "xla"}
+    participants = []
+    for name, grad_reduce in variants.items():
+        port = free_port()
+        ranks = [base | {"kind": "dp", "rank": r, "port": port, "grad_reduce": grad_reduce} for r in range(2)]
+        participants.append((name, "ours", ranks))
     port = free_port()
     spec = model_spec(cfg) | base | {"kind": "ddp", "port": port, "batch": cfg.train.global_batch_size}
     spec |= {"seq_len": cfg.train.seq_len}
     theirs = [spec | {"rank": r} for r in range(2)]
-    res = run_group([("ours", "ours", ours), ("torch ddp", "torch", theirs)], args.rounds, args.torch_python)
-    table.append(
-        (
-            f"2-process data parallel, `small` fp32, {cfg.train.global_batch_size} x {cfg.train.seq_len}, 1 core each",
-            "ours (jax.distributed) vs DDP (gloo)",
-            f"{fmt_ms(median_of(res, 'ours'))} ms, {fmt_mib(res['ours'][-1]['bytes_per_step'])}/step",
-            f"{fmt_ms(median_of(res, 'torch ddp'))} ms, {fmt_mib(res['torch ddp'][-1]['bytes_per_step'])}/step",
-            ratio(res, "ours", "torch ddp"),
+    res = run_group([*participants, ("torch ddp", "torch", theirs)], args.rounds, args.torch_python)
+    labels = {
+        "ours": "ours (jax.distributed, flat gradient sum) vs DDP (gloo)",
+        "ours xla": "ours (jax.distributed, XLA's all-reduce per array) vs DDP (gloo)",
+    }
+    for name, label in labels.items():
+        table.append(
+            (
+                f"2-process data parallel, `small` fp32, {cfg.train.global_batch_size} x {cfg.train.seq_len}, "
+                "1 core each",
+                label,
+                f"{fmt_ms(median_of(res, name))} ms, {fmt_mib(res[name][-1]['bytes_per_step'])}/step",
+                f"{fmt_ms(median_of(res, 'torch ddp'))} ms, {fmt_mib(res['torch ddp'][-1]['bytes_per_step'])}/step",
+                ratio(res, name, "torch ddp"),
+            )
         )
-    )
 
 
 GROUPS = {

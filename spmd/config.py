@@ -11,6 +11,7 @@ import typing
 
 from models.llama import ModelConfig
 from spmd import presets as presets_lib
+from spmd.dataparallel import GRAD_REDUCE
 from spmd.errors import UserError, closest
 from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 
@@ -41,6 +42,10 @@ class TrainConfig:
     max_skipped_steps: int = (
         5  # consecutive steps with non-finite loss/gradients (skipped) that stop the run; 0: never
     )
+    # How a pure data-parallel step sums its gradients: "flat" as one vector per dtype (DDP's
+    # buckets; XLA:CPU's gloo pays ~4 ms per all-reduce operand), "xla" as XLA's all-reduce of every
+    # array, "auto" flat on CPU across processes (spmd/dataparallel.py)
+    grad_reduce: str = "auto"
     step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
@@ -66,6 +71,10 @@ class TrainConfig:
         if self.step_timeout != self.step_timeout or self.step_timeout == float("inf"):
             problems.append(
                 f"train.step_timeout must be a number of seconds (0: automatic, < 0: off), got {self.step_timeout}"
+            )
+        if self.grad_reduce not in GRAD_REDUCE:
+            problems.append(
+                f"train.grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
             )
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")

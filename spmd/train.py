@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import context, memory
+from spmd import context, dataparallel, memory
 from spmd import sharding as sharding_lib
 from spmd.mesh import platform_of
 
@@ -189,6 +189,9 @@ class Trainer:
     eval_step: object  # jitted (params, batch) -> (ce_sum, count)
     init_state: object  # jitted () -> state
     state_from_params: object  # jitted params -> state with fresh optimizer state at step 0
+    # The mesh axes a pure data-parallel step sums its gradients over as one flat vector
+    # (spmd/dataparallel.py); None when XLA's all-reduce does it.
+    flat_grad_axes: tuple[str, ...] | None = None
 
     def to_canonical(self, state):
         """The train state with its layer stacks in canonical order (what checkpoints hold): new
@@ -305,6 +308,9 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     )
     k = tcfg.microbatches
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
+    # Pure data parallelism on CPU across processes: each device's gradient summed as one vector
+    # (spmd/dataparallel.py); the model then traces per device, without activation constraints.
+    flat_axes = dataparallel.flat_axes(tcfg.grad_reduce, plan, update_shardings, cfg.model)
 
     def grads_and_sums(params, batch: Batch):
         if k == 1:
@@ -316,7 +322,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         def split(x_BT):
             B, T = x_BT.shape
             x_kbT = x_BT.reshape(B // k, k, T).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x_kbT, micro_sharding)
+            return x_kbT if flat_axes else jax.lax.with_sharding_constraint(x_kbT, micro_sharding)
 
         def accumulate(carry, microbatch):
             grads_acc, sums_acc = carry
@@ -324,16 +330,20 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
 
         sums_shape = jax.eval_shape(lambda: losses(params, jax.tree.map(lambda x: x[::k], batch))[0][1])
-        zeros = (
-            jax.tree.map(jnp.zeros_like, params),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-        )
+        zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        if flat_axes:  # per device in a shard_map: the carry varies over the data axes, as the sums do
+            zero_sums = jax.lax.pcast(zero_sums, flat_axes, to="varying")
+        zeros = (jax.tree.map(jnp.zeros_like, params), zero_sums)
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         return grads, sums
 
     def train_step(state, batch: Batch):
-        with plan.activate():
-            grads, (ce_sum, z_sum, count, moe) = grads_and_sums(state["params"], batch)
+        if flat_axes:
+            summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
+            grads, (ce_sum, z_sum, count, moe) = summed(state["params"], batch)
+        else:
+            with plan.activate():
+                grads, (ce_sum, z_sum, count, moe) = grads_and_sums(state["params"], batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         # Gradients are reduced to where the update runs: the parameters' sharding, or under a
         # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
@@ -390,6 +400,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         eval_step=build_eval_step(cfg, plan),
         init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=init_compiler_options(mesh)),
         state_from_params=jax.jit(from_params, out_shardings=state_shardings),
+        flat_grad_axes=flat_axes,
     )
 
 

@@ -343,6 +343,14 @@ def describe_run(
             else []
         ),
         *filter(None, [plan.replication_warning()]),
+        *(
+            [
+                f"gradients: summed as one vector per dtype over {', '.join(a for a in setup.trainer.flat_grad_axes if setup.mesh.shape[a] > 1)} "
+                f"(train.grad_reduce={cfg.train.grad_reduce})"
+            ]
+            if setup.trainer.flat_grad_axes
+            else []
+        ),
         *notes,
         f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens",
         f"batch: {B} sequences x {T} tokens = {B * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)",

@@ -1,0 +1,102 @@
+"""Data-parallel gradients summed as one flat vector (`train.grad_reduce`), as DDP's buckets do.
+
+Under GSPMD a data-parallel step sums its gradients in one all-reduce with one operand per
+parameter array. XLA:CPU's gloo collectives reduce the operands one at a time and each costs ~4 ms
+on loopback whatever its size (docs/performance.md, issue 19): `small`'s 40 operands took 181 ms of
+a 505 ms two-process step, while the same 12.5 MiB as one vector took ~22 ms. XLA's pass that
+would make the operands contiguous (AllReduceContiguous) is not in the CPU pipeline, so here the
+step computes each device's gradient in a `shard_map` over the data axes and sums it as one vector
+per dtype.
+
+Only a pure data-parallel layout may take this path: every parameter and its update whole on every
+device, the batch split over every mesh axis of more than one device, a dense model (an MoE's
+load-balancing loss is a function of the whole batch's routing, not a sum over devices).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from spmd.errors import UserError
+from spmd.mesh import platform_of, spec_axes
+
+GRAD_REDUCE = ("auto", "flat", "xla")
+
+
+def pure_data_axes(plan, update_shardings, model_cfg) -> tuple[str, ...] | None:
+    """The mesh axes the batch is split over, when splitting the batch (over every axis of more than
+    one device) is all the layout does; None for any other layout, or one device."""
+    mesh = plan.mesh
+    big = {a for a, n in mesh.shape.items() if n > 1}
+    spec = tuple(plan.batch_sharding.spec)
+    # All the batch's axes, of one device too: the rows vary over each of them in the shard_map.
+    batch_axes = spec_axes(spec[0]) if spec else ()
+    if not big or plan.schedule is not None or getattr(model_cfg, "n_experts", 0):
+        return None
+    if not big <= set(batch_axes) or any(a in big for e in spec[1:] for a in spec_axes(e)):
+        return None
+    shardings = jax.tree.leaves((plan.param_shardings, update_shardings))
+    if not all(s.is_fully_replicated for s in shardings):
+        return None
+    return batch_axes
+
+
+def flat_axes(grad_reduce: str, plan, update_shardings, model_cfg) -> tuple[str, ...] | None:
+    """The axes to sum gradients over as one flat vector, or None for XLA's own all-reduce.
+
+    "auto": flat for a pure data-parallel layout on CPU across processes (where gloo's per-operand
+    cost is paid; in one process XLA:CPU's collectives are memory copies). "flat": wherever the
+    layout allows it, on CPU. "xla": never."""
+    if grad_reduce == "xla":
+        return None
+    axes = pure_data_axes(plan, update_shardings, model_cfg)
+    platform = platform_of(plan.mesh)
+    if grad_reduce == "auto":
+        return axes if axes and platform == "cpu" and jax.process_count() > 1 else None
+    if axes is None or platform != "cpu":
+        raise UserError(
+            "train.grad_reduce=flat needs a pure data-parallel layout of a dense model on CPU devices "
+            f"(every parameter replicated, the batch split over every mesh axis; this run: rules "
+            f"{plan.rules.name!r} on {platform} devices); use auto or xla"
+        )
+    return axes
+
+
+def flat_psum(tree, axes: tuple[str, ...]):
+    """`jax.lax.psum(tree, axes)` as one all-reduce operand per dtype: the leaves of each dtype
+    concatenated into one vector, summed, and cut back into their shapes. Elementwise the same sums
+    as a psum of the leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+    vectors = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) for idx in groups.values()]
+    vectors = jax.lax.psum(vectors, axes)
+    out = list(leaves)
+    for idx, vector in zip(groups.values(), vectors, strict=True):
+        ends = np.cumsum([leaves[i].size for i in idx])
+        for i, end in zip(idx, ends, strict=True):
+            out[i] = vector[end - leaves[i].size : end].reshape(leaves[i].shape)
+    return jax.tree.unflatten(treedef, out)
+
+
+def summed_over(fn, mesh, axes: tuple[str, ...], batch_spec: PartitionSpec):
+    """`fn(params, batch) -> tree` run on each device's rows of the batch (params whole), its
+    result summed over `axes` by `flat_psum`: for sums (gradients of summed losses, token counts),
+    the value `fn` gives on the whole batch. The model inside runs as on one device: no activation
+    constraints (there is nothing to constrain when only the batch is split)."""
+
+    def local(params, batch):
+        # Marked as varying over the data axes, the parameters' gradients inside `fn` are each
+        # device's own; left invariant, JAX would sum every one of them itself (the transpose of
+        # using an invariant value on varying data is a psum), one operand per array again.
+        params = jax.lax.pcast(params, axes, to="varying")
+        return flat_psum(fn(params, batch), axes)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), batch_spec),
+        out_specs=PartitionSpec(),
+    )
