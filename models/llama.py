@@ -180,9 +180,9 @@ class Attention(nnx.Module):
         and positions_BT (RoPE) restart at each document, so order_BT gives each token's index in
         the sequence for masks that compare positions (context parallelism)."""
         dt = x_BTD.dtype
-        q_BTNH = project(x_BTD, self.wq_DNH[...].astype(dt))  # BTD,DNH->BTNH
-        k_BTKH = project(x_BTD, self.wk_DKH[...].astype(dt))  # BTD,DKH->BTKH
-        v_BTKH = project(x_BTD, self.wv_DKH[...].astype(dt))  # BTD,DKH->BTKH
+        q_BTNH = project(x_BTD, self.wq_DNH[...])  # BTD,DNH->BTNH
+        k_BTKH = project(x_BTD, self.wk_DKH[...])  # BTD,DKH->BTKH
+        v_BTKH = project(x_BTD, self.wv_DKH[...])  # BTD,DKH->BTKH
         if self.cfg.qkv_bias:
             q_BTNH = q_BTNH + self.bq_NH[...].astype(dt)[None, None]
             k_BTKH = k_BTKH + self.bk_KH[...].astype(dt)[None, None]
@@ -208,7 +208,7 @@ class Attention(nnx.Module):
                 k_positions_BS=positions_BS,
             )
             new_kv = (k_BSKH, v_BSKH)
-        return project(out_BTNH, self.wo_NHD[...].astype(dt), n_in=2), new_kv  # BTNH,NHD->BTD
+        return project(out_BTNH, self.wo_NHD[...], n_in=2), new_kv  # BTNH,NHD->BTD
 
 
 class Block(nnx.Module):
@@ -371,7 +371,7 @@ class Decoder(nnx.Module):
         if cfg.tie_embeddings:
             logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed_VD[...].astype(dt))
         else:
-            logits_BTV = project(x_BTD, self.head_DV[...].astype(dt))  # BTD,DV->BTV
+            logits_BTV = project(x_BTD, self.head_DV[...])  # BTD,DV->BTV
         return constrain(logits_BTV, LOGITS_AXES), cache, stats
 
 

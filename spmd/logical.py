@@ -101,6 +101,14 @@ def can_merge(logical: tuple[str, ...]) -> bool:
     return not any(is_split(name) for name in logical[1:])
 
 
+def per_device_program() -> bool:
+    """Whether the traced program is each device's whole computation: no rules active (one device,
+    tests, inside a shard_map) or a mesh of one device. Rewrites that reshape activations freely
+    (XLA:CPU matmul layouts) are safe only then: under GSPMD they could move data between devices."""
+    current = _ACTIVE.get()
+    return current is None or current.mesh.size == 1
+
+
 def target_platform() -> str:
     """The platform of the devices the traced program is for: the active mesh's (compile-only TPU
     devices in a dry-run), else JAX's default devices'."""
