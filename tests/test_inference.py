@@ -1,5 +1,6 @@
 """KV-cache decoding against the full forward pass; sampling determinism; eval vs training's eval_loss."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,21 +19,33 @@ from spmd.sharding import abstract_model, init_params
 CFG = ModelConfig(dtype="float32")
 
 
-def test_kv_cache_decoding_equals_the_full_forward_pass():
-    graphdef, _ = abstract_model(Decoder, CFG)
-    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
+@pytest.mark.parametrize("unroll", [1, CFG.n_layers])
+def test_kv_cache_decoding_equals_the_full_forward_pass(unroll):
+    cfg = dataclasses.replace(CFG, scan_unroll=unroll)
+    graphdef, _ = abstract_model(Decoder, cfg)
+    params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
     model = nnx.merge(graphdef, params)
     rng = np.random.default_rng()
     tokens = rng.integers(0, 256, (3, 20))
     full = model(tokens)
     prefill = int(rng.integers(1, 10))
-    cache = KVCache.empty(CFG, 3, 20)
+    cache = KVCache.empty(cfg, 3, 20)
     logits, cache = model(tokens[:, :prefill], cache=cache)
     pieces = [logits]
     for t in range(prefill, 20):
         logits, cache = model(tokens[:, t : t + 1], positions_BT=jnp.full((3, 1), t), cache=cache)
         pieces.append(logits)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_on_cpu_scans_the_layers(devices):
+    """Unrolled layers cost XLA:CPU per-token copies of weights and caches: decoding takes one scan
+    iteration per layer whatever the config's scan_unroll (training keeps it)."""
+    from spmd.setup import assemble
+
+    decode = assemble("small", "", "dp", devices=devices[:1], optimizer=False, decoding=True, batch_size=1)
+    train = assemble("small", "", "dp", devices=devices[:1], optimizer=False)
+    assert (decode.plan.model_cfg.scan_unroll, train.plan.model_cfg.scan_unroll) == (1, 4)
 
 
 def test_left_padding_does_not_change_a_prompt(devices):
