@@ -293,7 +293,7 @@ class Decoder(nnx.Module):
         per_group = dense_per_group + has_moe
 
         # Scan inputs, one row per group: the dense layers' state (groups, dense_per_group, ...),
-        # the MoE layer's state, and the cache slices of the group's layers.
+        # the MoE layer's state, and (decoding) the group's index into the caches.
         # stack_axes: each leaf's logical axes, in leaf order (a group's dense rows get a dimension).
         xs, graphdefs, stack_axes = {}, {}, {}
         if dense_per_group:
@@ -303,17 +303,21 @@ class Decoder(nnx.Module):
         if has_moe:
             graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
             stack_axes["moe"] = _logical_axes(xs["moe"], lambda axes: axes)
+        kv_LG = None  # the caches as (groups, per_group, B, S, K, H), the scan's carry
         if cache is not None:
             positions_BS = jax.lax.dynamic_update_slice_in_dim(
                 cache.positions_BS, positions_BT, cache.index, axis=1
             )
-            xs["k"], xs["v"] = (
-                c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH)
-            )
+            # The caches ride in the scan's carry, each layer's new slots written in place: as the
+            # scan's inputs and outputs every token would copy them whole and zero the outputs
+            # first (decoding `small` at batch 16: docs/performance.md, issue 19).
+            kv_LG = tuple(c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH))
+            xs["group"] = jnp.arange(groups)
 
-        def group(x_BTD, xs, side):
+        def group(carry, xs, side):
+            x_BTD, kv_LG = carry
             positions_BT, segment_ids_BT, order_BT = side
-            new_k, new_v, stats = [], [], None
+            stats = None
             for i in range(per_group):
                 moe = i == dense_per_group
                 block = (
@@ -321,26 +325,39 @@ class Decoder(nnx.Module):
                     if moe
                     else nnx.merge(graphdefs["dense"], jax.tree.map(lambda a: a[i], xs["dense"]))
                 )
-                kv = None if cache is None else (xs["k"][i], xs["v"][i], positions_BS, cache.index)
+                kv = None
+                if kv_LG is not None:
+                    start = (xs["group"], i, 0, 0, 0, 0)
+                    k_BSKH, v_BSKH = (
+                        jax.lax.dynamic_slice(c, start, (1, 1, *c.shape[2:]))[0, 0] for c in kv_LG
+                    )
+                    kv = (k_BSKH, v_BSKH, positions_BS, cache.index)
                 x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv, segment_ids_BT, order_BT)
                 x_BTD = constrain(x_BTD, RESIDUAL_AXES)
                 stats = layer_stats if moe else stats
-                if layer_kv is not None:
-                    new_k.append(layer_kv[0])
-                    new_v.append(layer_kv[1])
-            kv_out = (jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None
-            return x_BTD, (kv_out, stats)
+                if kv_LG is not None:
+                    # Only the T new slots go back into the carry.
+                    T, at = x_BTD.shape[1], (xs["group"], i, 0, cache.index, 0, 0)
+                    kv_LG = tuple(
+                        jax.lax.dynamic_update_slice(
+                            c, jax.lax.dynamic_slice_in_dim(new, cache.index, T, axis=1)[None, None], at
+                        )
+                        for c, new in zip(kv_LG, layer_kv, strict=True)
+                    )
+            return (x_BTD, kv_LG), stats
 
         if cfg.remat != "none" and cache is None:
             group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-        def run_groups(x_BTD, xs, side):
-            """The groups stacked in `xs` applied in order: (x, (new kv, stats) stacked)."""
+        def run_groups(x_BTD, kv_LG, xs, side):
+            """The groups stacked in `xs` applied in order: ((x, caches), stats stacked)."""
             n = jax.tree.leaves(xs)[0].shape[0]
-            return jax.lax.scan(lambda x, row: group(x, row, side), x_BTD, xs, unroll=min(cfg.scan_unroll, n))
+            return jax.lax.scan(
+                lambda carry, row: group(carry, row, side), (x_BTD, kv_LG), xs, unroll=min(cfg.scan_unroll, n)
+            )
 
         def stage_groups(x_BTD, xs, side):
-            x_BTD, (_, stats) = run_groups(x_BTD, xs, side)
+            (x_BTD, _), stats = run_groups(x_BTD, None, xs, side)
             return x_BTD, stats
 
         side = (positions_BT, segment_ids_BT, order_BT)
@@ -355,11 +372,10 @@ class Decoder(nnx.Module):
                 xs_axes=[axes for key in sorted(xs) for axes in stack_axes[key]],
                 combine_stats=MoEStats.of_microbatches,
             )
-            kv_out = None
         else:
-            x_BTD, (kv_out, stats) = run_groups(x_BTD, xs, side)
+            (x_BTD, kv_LG), stats = run_groups(x_BTD, kv_LG, xs, side)
         if cache is not None:
-            k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_out)
+            k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_LG)
             cache = KVCache(
                 constrain(k_LBSKH, KV_CACHE_AXES),
                 constrain(v_LBSKH, KV_CACHE_AXES),
