@@ -123,7 +123,14 @@ class Sampler:
                 logits_BTV, cache = nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache)
             return logits_BTV[:, -1].astype(jnp.float32), cache
 
+        def decode(params, tokens_BT, positions_BT, cache, key, t, temperature, top_k):
+            logits_BV, cache = forward(params, tokens_BT, positions_BT, cache)
+            return _choose(logits_BV, jax.random.fold_in(key, t), temperature, top_k), cache
+
         self.forward = jax.jit(forward, donate_argnums=3)
+        # One dispatch per new token: the forward step, the key and the sampling in one program
+        # (three dispatches before: ~0.2 ms of a ~1 ms token step at batch 1 on CPU).
+        self.decode = jax.jit(decode, donate_argnums=3, static_argnames=("temperature", "top_k"))
         self.replicated = plan.replicated
 
     def empty_cache(self, batch: int, slots: int) -> KVCache:
@@ -158,31 +165,44 @@ class Sampler:
         logits_BV, cache = self.forward(self.loaded.params, tokens_BP, positions_BP, cache)
         key = jax.random.key(seed)
         out = np.zeros((B, max_new_tokens), np.int32)
+        # Token t is drawn with fold_in(key, t), from the logits after token t-1.
+        next_B = np.asarray(pick(logits_BV, jax.random.fold_in(key, 0), temperature, top_k))
         for t in range(max_new_tokens):
-            next_B = np.asarray(pick(logits_BV, jax.random.fold_in(key, t), temperature, top_k))
             out[:, t] = next_B
             if on_token is not None:
                 on_token(t, next_B[:n])
             if t + 1 < max_new_tokens:
                 positions_B1 = (P - pad_B + t)[:, None]
-                logits_BV, cache = self.forward(self.loaded.params, next_B[:, None], positions_B1, cache)
+                next_B, cache = self.decode(
+                    self.loaded.params,
+                    next_B[:, None],
+                    positions_B1,
+                    cache,
+                    key,
+                    t + 1,
+                    float(temperature),
+                    top_k,
+                )
+                next_B = np.asarray(next_B)
         return [out[i] for i in range(n)]
-
-
-@jax.jit
-def _greedy(logits_BV):
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
 
 def pick(logits_BV, key, temperature: float, top_k: int):
     """Greedy when temperature is 0; else sample from softmax(logits / temperature) over the top k."""
+    return _pick(logits_BV, key, float(temperature), top_k)
+
+
+def _choose(logits_BV, key, temperature: float, top_k: int):
+    """`pick` inside a traced program (temperature and top_k static)."""
     if temperature == 0:
-        return _greedy(logits_BV)
-    return _sample(logits_BV, key, jnp.float32(temperature), top_k)
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return _sample_math(logits_BV, key, jnp.float32(temperature), top_k)
 
 
-@jax.jit(static_argnames="top_k")
-def _sample(logits_BV, key, temperature, top_k: int):
+_pick = jax.jit(_choose, static_argnames=("temperature", "top_k"))
+
+
+def _sample_math(logits_BV, key, temperature, top_k: int):
     logits_BV = logits_BV / temperature
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
