@@ -99,9 +99,18 @@ def test_reshard_then_resume_on_fewer_devices(trained, tmp_path):
     assert ckpt.committed_steps(dst / "checkpoints")[-1] == 12
 
 
+# OCDBT's b-tree node files start with this magic; the other files under d/ hold array values.
+BTREE_NODE_MAGIC = bytes.fromhex("0cdb20de")
+
+
 def data_files(step_dir):
-    """The checkpoint's array data files, largest first."""
-    return sorted((step_dir / "state").rglob("ocdbt.process_0/d/*"), key=lambda p: -p.stat().st_size)
+    """The checkpoint's array value files, largest first. B-tree node files are left out: OCDBT
+    leaves the nodes of superseded versions behind, and a byte flipped in one of those changes
+    nothing that is read (a CI run had only two value files, and its third-largest file was such a
+    node: the restored state was bit-identical)."""
+    files = (step_dir / "state").rglob("ocdbt.process_0/d/*")
+    values = [p for p in files if p.read_bytes()[:4] != BTREE_NODE_MAGIC]
+    return sorted(values, key=lambda p: -p.stat().st_size)
 
 
 def flip_byte(path, fraction: float) -> None:
@@ -144,10 +153,10 @@ def test_corruption_is_reported_by_verify_and_resume(trained, tmp_path, damage):
 
 @pytest.mark.parametrize("fraction", [0.2, 0.5, 0.8])
 def test_single_flipped_bytes_never_load_silently(trained, tmp_path, fraction):
-    """One flipped byte in any of the three largest data files: verify and a full restore (resume)
-    refuse the step; a parameters-only restore (eval, sample, --init-from) refuses it whenever the
-    byte belongs to a parameter and otherwise returns the parameters exactly as saved. Before
-    checksums, 8 of 10 such flips loaded changed values."""
+    """One flipped byte in each of the (up to) three largest value files: verify and a full restore
+    (resume) refuse the step; a parameters-only restore (eval, sample, --init-from) refuses it
+    whenever the byte belongs to a parameter and otherwise returns the parameters exactly as saved.
+    Before checksums, 8 of 10 such flips loaded changed values."""
     import jax
     import numpy as np
 
@@ -156,7 +165,9 @@ def test_single_flipped_bytes_never_load_silently(trained, tmp_path, fraction):
 
     setup = assemble("tiny", "fsdp=8", "fsdp")
     intact, _ = ckpt.restore_params(trained / "checkpoints", 10, setup.plan.abstract_params)
-    for i in range(3):
+    n = min(3, len(data_files(trained / "checkpoints" / "10")))
+    assert n >= 1
+    for i in range(n):
         step_dir = tmp_path / f"f{i}" / "10"
         shutil.copytree(trained / "checkpoints" / "10", step_dir)
         flip_byte(data_files(step_dir)[i], fraction)
