@@ -136,12 +136,75 @@ def _grouped_attention(
         Bm = mask_BTS.shape[0]
         Km = K if Bm > 1 else 1
         mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (Bm, Km, G, T, S)).reshape(Bm * Km, G * T, S)
-    logits_bQS = jnp.einsum("bQH,bSH->bQS", q_bQH, k_bSH, preferred_element_type=jnp.float32) * (H**-0.5)
+    if target_platform() == "cpu":
+        out_bQH = softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, H**-0.5)
+    else:
+        out_bQH = _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, H**-0.5)[0]
+    return out_bQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
+def _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
+    """softmax(q k^T * scale, masked) v with one batch axis b; returns (out, probs)."""
+    logits_bQS = jnp.einsum("bQH,bSH->bQS", q_bQH, k_bSH, preferred_element_type=jnp.float32) * scale
     if mask_bQS is not None:
         logits_bQS = jnp.where(mask_bQS, logits_bQS, jnp.finfo(jnp.float32).min)
-    probs_bQS = jax.nn.softmax(logits_bQS, axis=-1).astype(v_BSKH.dtype)
-    out_bQH = jnp.einsum("bQS,bSH->bQH", probs_bQS, v_bSH)
-    return out_bQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    probs_bQS = jax.nn.softmax(logits_bQS, axis=-1).astype(v_bSH.dtype)
+    return jnp.einsum("bQS,bSH->bQH", probs_bQS, v_bSH), probs_bQS
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
+    """_softmax_attention's output, with a backward written for XLA:CPU in as few passes over the
+    (Q, S) scores as the math needs: the saved probabilities p (compute dtype) give
+    dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(p * dp)) * scale, dq = ds k, dk = ds^T q.
+
+    Autodiff of the forward kept fp32 copies of the unnormalised exponentials and of the
+    broadcast 1/rowsum for the softmax's backward, converted p back to fp32, and ran the dots that
+    contract the query axis (dv, dk) and, in bf16, all of the backward's dots in Eigen on operands
+    converted to fp32. Here ds is rounded to the compute dtype before its two dots (as flash
+    attention does), and in bf16 the query-axis contractions copy their left operand transposed
+    (_dot_tn) so that YNNPACK runs them. Measured on the train step (docs/performance.md, issue
+    19): `small` bf16 1.12x, d 512 / 8 layers / T 512 1.15x bf16 and 1.16x fp32; in fp32 the plain
+    transposed dots measured faster than _dot_tn's copies. The gradients' error against an fp32
+    computation stays at the compute dtype's rounding (tests/test_attention_kernels.py)."""
+    return _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale)[0]
+
+
+def _softmax_attention_fwd(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
+    out_bQH, probs_bQS = _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale)
+    return out_bQH, (q_bQH, k_bSH, v_bSH, probs_bQS)
+
+
+def _softmax_attention_bwd(scale, res, dout_bQH):
+    q_bQH, k_bSH, v_bSH, probs_bQS = res
+    dtype = v_bSH.dtype
+    low = dtype != jnp.float32
+    dv_bSH = _dot_tn(probs_bQS, dout_bQH, dtype, copy=low)
+    dp_bQS = jnp.einsum("bQH,bSH->bQS", dout_bQH, v_bSH, preferred_element_type=jnp.float32)
+    p_bQS = probs_bQS.astype(jnp.float32)
+    ds_bQS = (p_bQS * (dp_bQS - jnp.sum(p_bQS * dp_bQS, axis=-1, keepdims=True)) * scale).astype(dtype)
+    dq_bQH = jnp.einsum("bQS,bSH->bQH", ds_bQS, k_bSH, preferred_element_type=jnp.float32)
+    dk_bSH = _dot_tn(ds_bQS, q_bQH, dtype, copy=low)
+    return dq_bQH.astype(q_bQH.dtype), dk_bSH, dv_bSH, None
+
+
+softmax_attention_cpu.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+
+
+def _dot_tn(a_bMX, b_bMY, dtype, copy: bool):
+    """einsum bMX,bMY->bXY (both operands' leading non-batch axis contracted), accumulated in
+    fp32, cast to `dtype`. XLA:CPU's YNNPACK takes only dots whose left operand is row-major with
+    the contraction last, and a transpose is a layout, not a copy, when it checks, so this form
+    goes to Eigen (bf16 operands converted to fp32 first). `copy`: split M in two and move it
+    behind X, which makes XLA copy a^T row-major (one pass over a) and hand the dot to YNNPACK, as
+    models.layers.matmul_cpu does for weight gradients."""
+    b, M, X = a_bMX.shape
+    if not copy or M % 2:
+        return jnp.einsum("bMX,bMY->bXY", a_bMX, b_bMY, preferred_element_type=jnp.float32).astype(dtype)
+    a_bXsm = a_bMX.reshape(b, 2, M // 2, X).transpose(0, 3, 1, 2)
+    b_bsmY = b_bMY.reshape(b, 2, M // 2, b_bMY.shape[2])
+    dims = (((2, 3), (1, 2)), ((0,), (0,)))
+    return jax.lax.dot_general(a_bXsm, b_bsmY, dims, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, tpu=False):

@@ -24,6 +24,9 @@ PINNED = {
         5.008785724639893,
         4.69998836517334,
     ],
+    # Re-recorded once (2026-12-01, issue 19): the CPU attention's own backward
+    # (models.attention.softmax_attention_cpu) sums in another order; step 8 moved by 1 ulp
+    # (5.179219722747803 before). The one-device trajectory did not move.
     "fsdp=2,tensor=2": [
         5.609000205993652,
         5.593021392822266,
@@ -32,7 +35,7 @@ PINNED = {
         5.464085102081299,
         5.402176856994629,
         5.276095390319824,
-        5.179219722747803,
+        5.1792192459106445,
         5.008784294128418,
         4.69998836517334,
     ],
