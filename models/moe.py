@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import MLP, param
+from models.layers import MLP, param, swiglu
 from spmd.logical import active, constrain, provided, target_platform
 
 DISPATCHED_AXES = ("act_moe_batch", "act_expert", None, "act_embed")  # B E C D, at the experts
@@ -152,9 +152,7 @@ def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
     faster; the merge moves no data since B is the major axis)."""
     B, E, C, D = x_BECD.shape
     x_EMD = x_BECD.transpose(1, 0, 2, 3).reshape(E, B * C, D)
-    h_EMF = jax.nn.silu(jnp.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF)) * jnp.einsum(
-        "EMD,EDF->EMF", x_EMD, w_up_EDF
-    )
+    h_EMF = swiglu(jnp.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF), jnp.einsum("EMD,EDF->EMF", x_EMD, w_up_EDF))
     y_EMD = jnp.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD)
     return y_EMD.reshape(E, B, C, D).transpose(1, 0, 2, 3)
 
@@ -203,9 +201,7 @@ def grouped_swiglu(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
     sizes_E[e] rows; rows past the groups give 0): ragged_dot's grouped matmuls, except on CPU."""
     if target_platform() == "cpu":
         return _swiglu_in_tiles(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
-    h_MF = jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E)) * jax.lax.ragged_dot(
-        x_MD, w_up_EDF, sizes_E
-    )
+    h_MF = swiglu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E), jax.lax.ragged_dot(x_MD, w_up_EDF, sizes_E))
     return jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)
 
 
@@ -231,8 +227,9 @@ def _swiglu_in_tiles(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int 
     source_R = jnp.where(valid_R, start_E[expert_R] + rank_R, 0)
     x_nCD = jnp.where(valid_R[:, None], x_MD[source_R], 0).reshape(n, tile, D)
     expert_n = expert_R[::tile]
-    h_nCF = jax.nn.silu(jnp.einsum("nCD,nDF->nCF", x_nCD, w_gate_EDF[expert_n])) * jnp.einsum(
-        "nCD,nDF->nCF", x_nCD, w_up_EDF[expert_n]
+    h_nCF = swiglu(
+        jnp.einsum("nCD,nDF->nCF", x_nCD, w_gate_EDF[expert_n]),
+        jnp.einsum("nCD,nDF->nCF", x_nCD, w_up_EDF[expert_n]),
     )
     y_RD = jnp.einsum("nCF,nFD->nCD", h_nCF, w_down_EFD[expert_n]).reshape(n * tile, D)
     # Back to the sorted rows: row m sits at padded row pad_start + (m - start) of its expert.
