@@ -254,8 +254,11 @@ def jax_dp(s: dict):
     from spmd import distributed, hlo
     from spmd.setup import assemble
 
-    distributed.initialize(f"127.0.0.1:{s['port']}", s["world"], s["rank"])
     overrides = ["model.dtype=float32", f"train.grad_reduce={s['grad_reduce']}"]
+    from spmd.setup import before_jax_starts
+
+    before_jax_starts("small", overrides)  # as spmd-train does
+    distributed.initialize(f"127.0.0.1:{s['port']}", s["world"], s["rank"])
     setup = assemble("small", f"data={s['world']}", "dp", overrides=overrides)
     trainer, batches = setup.trainer, setup.batches()
     box = {"state": trainer.init_state(), "i": 0}
@@ -286,6 +289,10 @@ def worker(spec: dict) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+    if spec["kind"] == "train":
+        from spmd.setup import before_jax_starts
+
+        before_jax_starts(spec["config"], spec["set"])  # as spmd-train does
     window = KINDS[spec["kind"]](spec)
     say({"ready": True, "jax": jax.__version__})
     for line in sys.stdin:

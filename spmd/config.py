@@ -13,6 +13,7 @@ from models.llama import ModelConfig
 from spmd import presets as presets_lib
 from spmd.dataparallel import GRAD_REDUCE
 from spmd.errors import UserError, closest
+from spmd.hostmem import HOST_HEAP
 from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -46,6 +47,10 @@ class TrainConfig:
     # buckets; XLA:CPU's gloo pays ~4 ms per all-reduce operand), "xla" as XLA's all-reduce of every
     # array, "auto" flat on CPU across processes (spmd/dataparallel.py)
     grad_reduce: str = "auto"
+    # Host memory of XLA:CPU programs (spmd/hostmem.py): "retain" keeps freed heap memory for reuse
+    # (each step's temporaries are not faulted in again; the process stays at its peak size),
+    # "system" leaves glibc's malloc as it is, "auto" retains when the devices are this host's CPUs
+    host_heap: str = "auto"
     step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
@@ -76,6 +81,8 @@ class TrainConfig:
             problems.append(
                 f"train.grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
             )
+        if self.host_heap not in HOST_HEAP:
+            problems.append(f"train.host_heap must be one of {', '.join(HOST_HEAP)}, got {self.host_heap!r}")
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -22,7 +22,7 @@ import jax
 
 from models import attention
 from models.llama import Decoder
-from spmd import memory
+from spmd import hostmem, memory
 from spmd import sharding as sharding_lib
 from spmd.config import Config, apply_overrides, load_config
 from spmd.errors import UserError
@@ -67,6 +67,18 @@ class Setup:
                 "kind": device.device_kind,
             },
         }
+
+
+def before_jax_starts(config: str | Config, overrides: Sequence[str] = ()) -> None:
+    """What a run sets up in the process before JAX starts: `train.host_heap` (spmd/hostmem.py).
+    Commands call it first; bad input is left for assemble to report."""
+    try:
+        cfg = (
+            load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
+        )
+    except UserError:
+        return
+    hostmem.retain_before_start(cfg.train.host_heap)
 
 
 def assemble(

@@ -125,7 +125,12 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from spmd import distributed
+    from spmd.setup import before_jax_starts
 
+    overrides = list(args.set) + [
+        f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
+    ]
+    before_jax_starts(args.config or "small", overrides)
     distributed.initialize_from_flags(args)
     import jax
 
@@ -136,9 +141,6 @@ def run(args) -> int:
     from spmd.rules import rules_table
     from spmd.setup import assemble
 
-    overrides = list(args.set) + [
-        f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
-    ]
     init = initial_parameters(args)
     profile = profile_steps(args.profile_steps)
     config = args.config or (init["config"] if init else "small")
@@ -299,6 +301,7 @@ def describe_run(
     import jax
 
     from models.llama import count_params, flops_per_token
+    from spmd import hostmem
     from spmd.mesh import format_mesh
     from spmd.metrics import peak_flops
     from spmd.sharding import fmt_bytes, tree_bytes_per_device
@@ -349,6 +352,11 @@ def describe_run(
                 f"(train.grad_reduce={cfg.train.grad_reduce})"
             ]
             if setup.trainer.flat_grad_axes
+            else []
+        ),
+        *(
+            [f"host heap: freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"]
+            if hostmem.retained()
             else []
         ),
         *notes,
