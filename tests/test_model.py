@@ -187,3 +187,36 @@ def test_swiglu_low_precision_backward_is_the_fp32_derivative_rounded_once():
             err(ours, ref),
             err(theirs, ref),
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_backward_is_the_rotation_back(dtype):
+    """models.layers.rope (its own backward: the rotation by the negated angle): output bit for bit
+    the plain formula's, gradient equal to autodiff's of it (fp32 to rounding; bf16 to one bf16
+    rounding)."""
+    from models.layers import rope, rope_frequencies
+    from spmd.config import load_config
+
+    rng = np.random.default_rng()
+    cfg = load_config("tiny").model
+    x = jnp.asarray(rng.normal(size=(2, 24, 4, cfg.head_dim)), dtype)
+    w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    pos = jnp.asarray(rng.integers(0, 1000, size=(2, 24)))
+    freq = rope_frequencies(cfg)
+
+    def plain(x, positions, freq_h):
+        angle = positions[..., None].astype(jnp.float32) * freq_h[None, None, :]
+        cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+    def grad(f):
+        return jax.jit(jax.grad(lambda x: jnp.sum(f(x, pos, freq).astype(jnp.float32) * w)))(x)
+
+    np.testing.assert_array_equal(jax.jit(rope)(x, pos, freq), jax.jit(plain)(x, pos, freq))
+    ours, theirs = grad(rope), grad(plain)
+    assert ours.dtype == dtype
+    tol = 1e-6 if dtype == jnp.float32 else 2**-8
+    np.testing.assert_allclose(
+        np.asarray(ours, np.float32), np.asarray(theirs, np.float32), rtol=tol, atol=tol
+    )
