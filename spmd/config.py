@@ -49,7 +49,7 @@ class TrainConfig:
     grad_reduce: str = "auto"
     # Host memory of XLA:CPU programs (spmd/hostmem.py): "retain" keeps freed heap memory for reuse
     # (each step's temporaries are not faulted in again; the process stays at its peak size),
-    # "system" leaves glibc's malloc as it is, "auto" retains when the devices are this host's CPUs
+    # "system" leaves glibc's malloc as it is, "auto" retains when JAX was told to use the CPU
     host_heap: str = "auto"
     step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at

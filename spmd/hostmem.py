@@ -27,12 +27,10 @@ _M_ARENA_MAX = -8
 _retained = False
 
 
-def wanted(setting: str, platform: str, host_platform: str) -> bool:
-    """Whether `train.host_heap=setting` keeps freed memory for programs run on `platform` devices
-    from a `host_platform` process: `auto` when the devices are this host's CPUs."""
-    if setting == "auto":
-        return platform == "cpu" and host_platform == "cpu"
-    return setting == "retain"
+def wanted(setting: str, on_cpu: bool) -> bool:
+    """Whether `train.host_heap=setting` keeps freed memory, `on_cpu`: whether the run's devices
+    are this host's CPUs (`auto` retains only then)."""
+    return setting == "retain" or (setting == "auto" and on_cpu)
 
 
 def retain_freed_memory() -> bool:
@@ -76,6 +74,5 @@ def retain_before_start(setting: str) -> None:
 
     if xla_bridge.backends_are_initialized():
         return
-    platform = "cpu" if (jax.config.jax_platforms or "") == "cpu" else "unknown"
-    if wanted(setting, platform, platform):
+    if wanted(setting, on_cpu=(jax.config.jax_platforms or "") == "cpu"):
         retain_freed_memory()

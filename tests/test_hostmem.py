@@ -67,7 +67,7 @@ def test_retained_heap_stops_the_page_faults_of_each_execution():
 
 
 def test_host_heap_choices():
-    assert hostmem.wanted("auto", "cpu", "cpu") and not hostmem.wanted("auto", "tpu", "cpu")
-    assert hostmem.wanted("retain", "gpu", "gpu") and not hostmem.wanted("system", "cpu", "cpu")
+    assert hostmem.wanted("auto", on_cpu=True) and not hostmem.wanted("auto", on_cpu=False)
+    assert hostmem.wanted("retain", on_cpu=False) and not hostmem.wanted("system", on_cpu=True)
     with pytest.raises(UserError, match="train.host_heap must be one of auto, retain, system"):
         load_config("tiny", ["train.host_heap=mmap"])
