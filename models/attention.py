@@ -159,14 +159,12 @@ def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(p * dp)) * scale, dq = ds k, dk = ds^T q.
 
     Autodiff of the forward kept fp32 copies of the unnormalised exponentials and of the
-    broadcast 1/rowsum for the softmax's backward, converted p back to fp32, and ran the dots that
-    contract the query axis (dv, dk) and, in bf16, all of the backward's dots in Eigen on operands
-    converted to fp32. Here ds is rounded to the compute dtype before its two dots (as flash
-    attention does), and in bf16 the query-axis contractions copy their left operand transposed
-    (_dot_tn) so that YNNPACK runs them. Measured on the train step (docs/performance.md, issue
-    19): `small` bf16 1.12x, d 512 / 8 layers / T 512 1.15x bf16 and 1.16x fp32; in fp32 the plain
-    transposed dots measured faster than _dot_tn's copies. The gradients' error against an fp32
-    computation stays at the compute dtype's rounding (tests/test_attention_kernels.py)."""
+    broadcast 1/rowsum for the softmax's backward and converted p back to fp32. Here ds is rounded
+    to the compute dtype before its two dots (as flash attention does), and the dots of dq, dk and
+    dv give the compute dtype, so that oneDNN runs them (spmd/cpu_matmul.py). Measured on the train
+    step (docs/performance.md, issue 19, with YNNPACK before oneDNN): `small` bf16 1.12x, d 512 / 8
+    layers / T 512 1.15x bf16 and 1.16x fp32. The gradients' error against an fp32 computation
+    stays at the compute dtype's rounding (tests/test_attention_kernels.py)."""
     return _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale)[0]
 
 
@@ -178,33 +176,19 @@ def _softmax_attention_fwd(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
 def _softmax_attention_bwd(scale, res, dout_bQH):
     q_bQH, k_bSH, v_bSH, probs_bQS = res
     dtype = v_bSH.dtype
-    low = dtype != jnp.float32
-    dv_bSH = _dot_tn(probs_bQS, dout_bQH, dtype, copy=low)
+    # dq, dk, dv leave their dots in the compute dtype (accumulated in fp32 inside the dot, rounded
+    # once), as they are returned; oneDNN takes such dots as they are, where an fp32 output would
+    # have it convert the operands to fp32 first (spmd/cpu_matmul.py). dp stays fp32 for ds.
+    dv_bSH = jnp.einsum("bQS,bQH->bSH", probs_bQS, dout_bQH)
     dp_bQS = jnp.einsum("bQH,bSH->bQS", dout_bQH, v_bSH, preferred_element_type=jnp.float32)
     p_bQS = probs_bQS.astype(jnp.float32)
     ds_bQS = (p_bQS * (dp_bQS - jnp.sum(p_bQS * dp_bQS, axis=-1, keepdims=True)) * scale).astype(dtype)
-    dq_bQH = jnp.einsum("bQS,bSH->bQH", ds_bQS, k_bSH, preferred_element_type=jnp.float32)
-    dk_bSH = _dot_tn(ds_bQS, q_bQH, dtype, copy=low)
-    return dq_bQH.astype(q_bQH.dtype), dk_bSH, dv_bSH, None
+    dq_bQH = jnp.einsum("bQS,bSH->bQH", ds_bQS, k_bSH).astype(q_bQH.dtype)
+    dk_bSH = jnp.einsum("bQS,bQH->bSH", ds_bQS, q_bQH)
+    return dq_bQH, dk_bSH, dv_bSH, None
 
 
 softmax_attention_cpu.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
-
-
-def _dot_tn(a_bMX, b_bMY, dtype, copy: bool):
-    """einsum bMX,bMY->bXY (both operands' leading non-batch axis contracted), accumulated in
-    fp32, cast to `dtype`. XLA:CPU's YNNPACK takes only dots whose left operand is row-major with
-    the contraction last, and a transpose is a layout, not a copy, when it checks, so this form
-    goes to Eigen (bf16 operands converted to fp32 first). `copy`: split M in two and move it
-    behind X, which makes XLA copy a^T row-major (one pass over a) and hand the dot to YNNPACK, as
-    models.layers.matmul_cpu does for weight gradients."""
-    b, M, X = a_bMX.shape
-    if not copy or M % 2:
-        return jnp.einsum("bMX,bMY->bXY", a_bMX, b_bMY, preferred_element_type=jnp.float32).astype(dtype)
-    a_bXsm = a_bMX.reshape(b, 2, M // 2, X).transpose(0, 3, 1, 2)
-    b_bsmY = b_bMY.reshape(b, 2, M // 2, b_bMY.shape[2])
-    dims = (((2, 3), (1, 2)), ((0,), (0,)))
-    return jax.lax.dot_general(a_bXsm, b_bsmY, dims, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, tpu=False):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.logical import can_merge, per_device_program, target_platform
+from spmd.logical import can_merge
 
 
 def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
@@ -30,50 +30,9 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
             x, w.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
         )
     x_MK, w_KN = x.reshape(math.prod(lead), -1), w.reshape(math.prod(w.shape[:n_in]), -1)
-    if (
-        x.dtype != jnp.float32
-        and target_platform() == "cpu"
-        and per_device_program()
-        and x_MK.shape[0] % 2 == 0
-    ):
-        y_MN = matmul_cpu(x_MK, w_KN)
-    else:
-        y_MN = x_MK @ w_KN.astype(x.dtype)
-    return y_MN.reshape(*lead, *out)
-
-
-@jax.custom_vjp
-def matmul_cpu(x_MK, w_KN):
-    """x @ w.astype(x.dtype) with the weight gradient as XLA:CPU's fast matmul library runs it.
-
-    The weight gradient x^T g contracts both operands' leading (token) axis. XLA:CPU hands such a
-    dot to Eigen, with bf16 operands first converted to fp32 (YNNPACK takes only dots whose left
-    operand is row-major with the contraction last, and a transpose in the program is a layout,
-    not a copy, when that check runs). Splitting the tokens in two and moving them behind the
-    features makes XLA materialise x^T (one pass over x), and the dot goes to YNNPACK: on `small`'s
-    (2048, 256) x (2048, 768) 2.3x faster in bf16 (1.04x on its train step; docs/performance.md,
-    issue 19). Used for low-precision compute only: in fp32 the dot was 1.17x faster alone but the
-    step 0.97x (Eigen's fp32 dots ran beside other work). The gradient leaves the dot in fp32 (as
-    before, when XLA folded the cast's transpose into the dot): only the summation order changes."""
-    return x_MK @ w_KN.astype(x_MK.dtype)
-
-
-def _matmul_fwd(x_MK, w_KN):
-    return matmul_cpu(x_MK, w_KN), (x_MK, w_KN)
-
-
-def _matmul_bwd(res, g_MN):
-    x_MK, w_KN = res
-    (M, K), N = x_MK.shape, g_MN.shape[1]
-    dx_MK = g_MN @ w_KN.astype(g_MN.dtype).T  # MN,KN->MK, as JAX's own transpose writes it
-    x_KsM = x_MK.reshape(2, M // 2, K).transpose(2, 0, 1)  # (K, 2, M/2): copied, row-major
-    dw_KN = jax.lax.dot_general(
-        x_KsM, g_MN.reshape(2, M // 2, N), (((1, 2), (0, 1)), ((), ())), preferred_element_type=jnp.float32
-    )
-    return dx_MK, dw_KN.astype(w_KN.dtype)
-
-
-matmul_cpu.defvjp(_matmul_fwd, _matmul_bwd)
+    # On CPU the backward's dots (x^T g contracts the tokens of both operands) go to oneDNN
+    # (spmd/cpu_matmul.py), which takes transposed operands as they are, in the compute dtype.
+    return (x_MK @ w_KN.astype(x.dtype)).reshape(*lead, *out)
 
 
 def param(rngs, cfg, shape, logical, std=None, compute_cast=True):

@@ -11,6 +11,7 @@ import typing
 
 from models.llama import ModelConfig
 from spmd import presets as presets_lib
+from spmd.cpu_matmul import CPU_MATMUL
 from spmd.dataparallel import GRAD_REDUCE
 from spmd.errors import UserError, closest
 from spmd.hostmem import HOST_HEAP
@@ -51,6 +52,9 @@ class TrainConfig:
     # (each step's temporaries are not faulted in again; the process stays at its peak size),
     # "system" leaves glibc's malloc as it is, "auto" retains when JAX was told to use the CPU
     host_heap: str = "auto"
+    # Library for the matmuls of CPU train/eval steps (spmd/cpu_matmul.py): "onednn" (as PyTorch's
+    # CPU backend; faster here) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)
+    cpu_matmul: str = "onednn"
     step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
@@ -83,6 +87,10 @@ class TrainConfig:
             )
         if self.host_heap not in HOST_HEAP:
             problems.append(f"train.host_heap must be one of {', '.join(HOST_HEAP)}, got {self.host_heap!r}")
+        if self.cpu_matmul not in CPU_MATMUL:
+            problems.append(
+                f"train.cpu_matmul must be one of {', '.join(CPU_MATMUL)}, got {self.cpu_matmul!r}"
+            )
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import context, dataparallel, memory
+from spmd import context, cpu_matmul, dataparallel, memory
 from spmd import sharding as sharding_lib
 from spmd.mesh import platform_of
 
@@ -396,6 +396,9 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             in_shardings=(state_shardings, batch_shardings),
             out_shardings=(state_shardings, plan.replicated),
             donate_argnums=0,
+            compiler_options=cpu_matmul.compiler_options(
+                tcfg.cpu_matmul, platform_of(mesh), cfg.model.attention_impl
+            ),
         ),
         eval_step=build_eval_step(cfg, plan),
         init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=init_compiler_options(mesh)),
@@ -423,7 +426,12 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
 
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
     return jax.jit(
-        eval_step, in_shardings=(plan.param_shardings, batch_shardings), out_shardings=plan.replicated
+        eval_step,
+        in_shardings=(plan.param_shardings, batch_shardings),
+        out_shardings=plan.replicated,
+        compiler_options=cpu_matmul.compiler_options(
+            cfg.train.cpu_matmul, platform_of(mesh), cfg.model.attention_impl
+        ),
     )
 
 

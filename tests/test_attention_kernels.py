@@ -3,6 +3,7 @@ the reference: forward and gradients, causal or not, GQA 1/2/4, packed sequences
 block grid, fp32 and bf16."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from conftest import run_training
 from kernels.chunked_attention import chunked_attention_with_lse
 from kernels.flash_attention import BlockSizes, attention_reference, flash_attention_with_lse
 from models import attention
+from spmd import cpu_matmul
 from spmd import hlo as hlo_lib
 from spmd.config import load_config
 
@@ -119,8 +121,10 @@ def test_cpu_attention_backward_matches_autodiff():
     """models.attention.softmax_attention_cpu (the merged layout's attention on CPU, with its own
     backward): forward bit-identical to the plain form; in fp32 its gradients equal autodiff's to
     rounding; in bf16 their error against an fp32 computation stays at bf16 rounding (ds is rounded
-    to bf16 before its dots, as flash attention does). Every dot of the bf16 program runs in
-    YNNPACK, where autodiff's has Eigen dots (the point of it)."""
+    to bf16 before its dots, as flash attention does). Compiled as train steps are on CPU (dots in
+    oneDNN, spmd/cpu_matmul.py): no dot is left to Eigen, and dq, dk and dv leave their dots in
+    bf16, where autodiff's dq and dk dots give fp32, which oneDNN runs on operands converted to fp32
+    (the point of it)."""
     rng = np.random.default_rng()
     b, Q, S, H = 8, 96, 64, 32
     q32, k32, v32 = (jnp.asarray(rng.normal(size=(b, n, H)), jnp.float32) for n in (Q, S, S))
@@ -133,8 +137,9 @@ def test_cpu_attention_backward_matches_autodiff():
 
     def grads(f):
         loss = lambda q, k, v: jnp.sum(f(q, k, v, mask, H**-0.5).astype(jnp.float32) * w_o)  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options=onednn)
 
+    onednn = cpu_matmul.compiler_options("onednn", "cpu")
     np.testing.assert_array_equal(ours(q32, k32, v32, mask, H**-0.5), plain(q32, k32, v32, mask, H**-0.5))
     truth = grads(plain)(q32, k32, v32)
     for name, g, r in zip("qkv", grads(ours)(q32, k32, v32), truth):
@@ -144,11 +149,16 @@ def test_cpu_attention_backward_matches_autodiff():
         l2 = lambda x: np.linalg.norm(np.asarray(x, np.float32) - np.asarray(r)) / np.linalg.norm(r)  # noqa: E731
         assert g.dtype == jnp.bfloat16 and l2(g) <= 2**-6, f"bf16 d{name}: {l2(g)} (autodiff {l2(a)})"
 
-    def eigen_dots(f):
-        return " dot(" in grads(f).lower(q16, k16, v16).compile().as_text().split("\nENTRY")[1]
+    def gradient_dots(f):
+        """(whether the entry computation has a plain (Eigen) dot, output dtypes of the dots
+        shaped like dq, dk or dv)."""
+        text = grads(f).lower(q16, k16, v16).compile().as_text()
+        shapes = {f"[{b},{Q},{H}]", f"[{b},{S},{H}]"}
+        outs = re.findall(r"= (\w+)(\[[\d,]+\])\{[\d,]*\} dot\(", text)
+        return " dot(" in text.split("\nENTRY")[1], sorted(dt for dt, shape in outs if shape in shapes)
 
-    assert not eigen_dots(ours)
-    assert eigen_dots(plain), "XLA:CPU runs autodiff's attention dots in YNNPACK itself: re-measure"
+    assert gradient_dots(ours) == (False, ["bf16", "bf16", "bf16"])
+    assert "f32" in gradient_dots(plain)[1], "autodiff's gradient dots give bf16 now: re-measure"
 
 
 LAYOUTS = [(True, 2, False, 40), (False, 4, True, 40), (True, 2, True, 150)]

@@ -115,42 +115,6 @@ def test_scan_unroll_changes_nothing_numerically():
     )
 
 
-def test_cpu_weight_gradient_is_the_plain_one_and_runs_in_the_fast_library():
-    """models.layers.matmul_cpu: the forward and input gradient of x @ w exactly, the weight
-    gradient in fp32 (not rounded to bf16 first); on XLA:CPU every dot of its backward goes to YNNPACK, where the plain
-    form's weight gradient is an Eigen dot on operands converted to fp32 (why it exists)."""
-    from models.layers import matmul_cpu
-
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(256, 64)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)
-    g = jnp.asarray(rng.normal(size=(256, 96)), jnp.float32)
-
-    def plain(x, w):
-        return x @ w.astype(x.dtype)
-
-    def grads(f):
-        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * g), (0, 1)))
-
-    (v1, (dx1, dw1)), (v2, (dx2, dw2)) = grads(matmul_cpu)(x, w), grads(plain)(x, w)
-    np.testing.assert_array_equal(matmul_cpu(x, w), plain(x, w))
-    assert v1 == v2 and dx1.dtype == x.dtype and dw1.dtype == w.dtype
-    np.testing.assert_array_equal(dx1, dx2)
-    # The weight gradient sums exact bf16 products in fp32 and stays fp32; the plain form's is
-    # rounded to bf16 (its dot's output dtype) before the cast back to the parameter's fp32.
-    exact = np.asarray(x, np.float64).T @ np.asarray(g.astype(jnp.bfloat16), np.float64)
-    np.testing.assert_allclose(dw1, exact, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(dw2, exact, rtol=2**-8, atol=1e-4)
-    assert np.abs(dw1 - exact).max() < np.abs(dw2 - exact).max() / 10
-
-    def library_dots(f):
-        entry = grads(f).lower(x, w).compile().as_text().split("\nENTRY")[1]
-        return " dot(" not in entry, "ynn_fusion" in entry
-
-    assert library_dots(matmul_cpu) == (True, True)
-    assert library_dots(plain)[0] is False, "XLA:CPU now runs x^T g in YNNPACK itself: matmul_cpu can go"
-
-
 def test_swiglu_low_precision_backward_is_the_fp32_derivative_rounded_once():
     """models.layers.swiglu in bf16 (its own backward, fp32 inside): output and gradients equal
     the fp32 computation on the same bf16 inputs to one bf16 rounding, closer than autodiff of

@@ -1,0 +1,47 @@
+"""Which library runs the matmuls of XLA:CPU train and eval steps (`train.cpu_matmul`).
+
+XLA:CPU hands a dot to one of its libraries: YNNPACK (its default for the dots it accepts), Eigen
+(the rest), or oneDNN (Intel's, which PyTorch's CPU backend uses) when asked. On the 2-core AMX
+machine of issue 19 a lone 2048² bf16 matmul ran at 2,634 GFLOP/s in oneDNN against 1,674 in
+YNNPACK, and oneDNN also takes the dots YNNPACK refuses (a transposed left operand: the weight
+gradient x^T g, and in attention's backward p^T do and ds^T q), which Eigen ran on operands
+converted to fp32. The train step with oneDNN: `small` bf16 1.50x, fp32 1.10x, d 512 / 8 layers /
+T 512 bf16 1.58x (docs/performance.md, "Fifth pass"). oneDNN takes dots whose output has the
+operands' dtype; a bf16 dot with an fp32 output is converted to fp32 first, so the model writes
+its CPU dots with the compute dtype's output where the result is rounded to it anyway.
+
+Set per program (jit's compiler options), not through XLA_FLAGS: nothing else in the process
+changes. GPU and TPU programs get no options. Such programs are not kept in JAX's persistent
+compilation cache (below).
+"""
+
+import warnings
+
+# XLA cannot serialise a program with oneDNN thunks yet ("ToProto is not implemented for thunk
+# kind: onednn-fusion"): where JAX's persistent compilation cache is on it warns at each such
+# program and keeps it in memory only; the program compiles and runs as usual. One message per
+# program would bury a run's own errors and warnings.
+warnings.filterwarnings("ignore", message=r"Error writing persistent compilation cache entry.*onednn-fusion")
+
+CPU_MATMUL = ("onednn", "xla")  # "xla": XLA:CPU's own choice (YNNPACK, Eigen)
+
+_ONEDNN = {
+    "xla_cpu_use_onednn": True,
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+}
+
+
+# Attention implementations whose CPU programs keep XLA's libraries: the Pallas kernels run in
+# interpret mode on CPU (a correctness path, not a fast one), and with oneDNN's dot fusions XLA
+# computed the flash kernel's causal backward wrong: dq all zeros and dk wrong for a one-block
+# causal sequence, both 60-75% off in the ring (the test pins it, so that the exception goes when XLA is fixed).
+KEEPS_XLA_LIBRARIES = ("pallas", "pallas_tpu")
+
+
+def compiler_options(setting: str, platform: str, attention_impl: str = "xla") -> dict | None:
+    """XLA compiler options for a step program of `platform` under `train.cpu_matmul=setting`,
+    for a model whose `attention_impl` is given."""
+    if setting not in CPU_MATMUL:
+        raise ValueError(f"train.cpu_matmul must be one of {', '.join(CPU_MATMUL)}, got {setting!r}")
+    use = platform == "cpu" and setting == "onednn" and attention_impl not in KEEPS_XLA_LIBRARIES
+    return dict(_ONEDNN) if use else None

@@ -1,0 +1,96 @@
+"""train.cpu_matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/cpu_matmul.py)."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from spmd.config import load_config
+from spmd.errors import UserError
+from spmd.setup import assemble
+
+BF16 = ["model.dtype=bfloat16", "train.global_batch_size=4", "train.seq_len=32"]
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.M)
+_LIBRARY_CALL = re.compile(r"calls=%([\w.\-]+).*\"kind\":\"__(onednn|ynn|xnn)_fusion\"")
+
+
+def _programs(setting):
+    overrides = [*BF16, f"train.cpu_matmul={setting}"]
+    setup = assemble("tiny", "", "dp", overrides=overrides, devices=jax.devices()[:1])
+    trainer, batches = setup.trainer, setup.batches()
+    state, batch = trainer.init_state(), batches.train_batch(0)
+    step = trainer.train_step.lower(state, batch).compile()
+    evaluate = trainer.eval_step.lower(state["params"], batches.eval_batch(0)).compile()
+    _, metrics = step(state, batch)
+    return step.as_text(), evaluate.as_text(), float(metrics["loss"])
+
+
+def _dots_by_library(text):
+    """How many of the program's dots each library runs: 'eigen' for a dot that no library
+    fusion calls (XLA:CPU's own dot thunk)."""
+    library = {m.group(1): m.group(2) for m in _LIBRARY_CALL.finditer(text)}
+    counts = {}
+    for block in text.split("\n\n"):
+        name = _COMPUTATION.search(block)
+        n = block.count(" dot(")
+        if name and n:
+            key = library.get(name.group(1), "eigen")
+            counts[key] = counts.get(key, 0) + n
+    return counts
+
+
+def test_cpu_steps_run_their_matmuls_in_onednn_and_compute_the_same_loss():
+    """With `onednn` (the default) the dots of the bf16 train step and of the eval step run in
+    oneDNN (a few that give fp32 from bf16, attention's dp, may stay in YNNPACK), the weight
+    gradients x^T g included, none in Eigen; with `xla` XLA:CPU keeps its own libraries and hands
+    those to Eigen. The first step's loss is the same computation either way (equal to fp32
+    rounding of the sums)."""
+    (step, evaluate, loss), (step_xla, evaluate_xla, loss_xla) = _programs("onednn"), _programs("xla")
+    for text in (step, evaluate):
+        dots = _dots_by_library(text)
+        assert "eigen" not in dots and dots["onednn"] > dots.get("ynn", 0)
+    assert "onednn" not in _dots_by_library(step_xla) and "onednn" not in _dots_by_library(evaluate_xla)
+    assert _dots_by_library(step_xla).get("eigen", 0) > 0
+    np.testing.assert_allclose(loss, loss_xla, rtol=1e-6)
+
+
+def test_cpu_matmul_rejects_an_unknown_library():
+    with pytest.raises(UserError, match=r"train.cpu_matmul must be one of onednn, xla, got 'mkl'"):
+        load_config("tiny", ["train.cpu_matmul=mkl"])
+
+
+def test_pallas_programs_keep_xla_libraries_where_onednn_gets_the_flash_backward_wrong():
+    """The flash kernel's causal backward (interpret mode), compiled with oneDNN's dot fusions,
+    gives dq of zeros and a wrong dk where XLA's own libraries give the right gradient: CPU programs with a
+    Pallas attention keep XLA's libraries. When this starts failing because XLA computes it right,
+    drop the exception (spmd/cpu_matmul.py KEEPS_XLA_LIBRARIES)."""
+    from kernels.flash_attention import BlockSizes, flash_backward, flash_forward
+    from spmd import cpu_matmul
+
+    assert cpu_matmul.compiler_options("onednn", "cpu", "pallas") is None
+    assert cpu_matmul.compiler_options("onednn", "cpu", "pallas_tpu") is None
+    assert cpu_matmul.compiler_options("onednn", "cpu", "chunked") is not None
+    assert (
+        cpu_matmul.compiler_options("onednn", "gpu") is None
+        and cpu_matmul.compiler_options("xla", "cpu") is None
+    )
+
+    rng = np.random.default_rng()
+    B, T, K, G, H = 2, 16, 2, 2, 16
+    q = jax.numpy.asarray(rng.normal(size=(B, T, K * G, H)), np.float32)
+    k, v, do = (jax.numpy.asarray(rng.normal(size=s), np.float32) for s in ((B, T, K, H),) * 2 + (q.shape,))
+    bs = BlockSizes(16, 16, 16, 16)
+    out, lse = flash_forward(q, k, v, None, True, H**-0.5, bs, True)
+
+    def backward(q, k, v, out, lse, do):
+        return flash_backward(q, k, v, None, out, lse, do, 0 * lse, True, H**-0.5, bs, True)
+
+    onednn = cpu_matmul.compiler_options("onednn", "cpu")
+    dq, dk, dv = jax.jit(backward)(q, k, v, out, lse, do)
+    dq1, dk1, dv1 = jax.jit(backward, compiler_options=onednn)(q, k, v, out, lse, do)
+    np.testing.assert_allclose(dv1, dv, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(dq)).max() > 0.1 and np.abs(np.asarray(dk)).max() > 0.1
+    assert not np.asarray(dq1).any() and not np.asarray(dk1).any(), (
+        "XLA+oneDNN computes it now: see docstring"
+    )
