@@ -111,6 +111,7 @@ def jax_attention(s: dict):
 
     from kernels.chunked_attention import chunked_attention
     from models.attention import xla_attention
+    from spmd import cpu_matmul
 
     B, T, N, K, H = s["B"], s["T"], s["N"], s["K"], s["H"]
     ks = jax.random.split(jax.random.key(0), 4)
@@ -122,7 +123,9 @@ def jax_attention(s: dict):
         o, vjp = jax.vjp(lambda q, k, v: impl(q, k, v, causal=True), q, k, v)
         return vjp(do)
 
-    compiled = jax.jit(fwd_bwd).lower(q, k, v, do).compile()
+    # Compiled as the train step compiles attention on CPU (train.cpu_matmul's default).
+    options = cpu_matmul.compiler_options("onednn", jax.devices()[0].platform, s["impl"])
+    compiled = jax.jit(fwd_bwd, compiler_options=options).lower(q, k, v, do).compile()
     temps = compiled.memory_analysis().temp_size_in_bytes
     base = rss_bytes()
 
@@ -142,6 +145,7 @@ def jax_moe(s: dict):
     from flax import nnx
 
     from models.moe import MoE
+    from spmd import cpu_matmul
     from spmd.config import load_config
 
     cfg = load_config("small-moe", [f"model.moe_dispatch={s['impl']}", "model.dtype=float32"]).model
@@ -152,13 +156,17 @@ def jax_moe(s: dict):
     x = jax.random.normal(kx, (s["B"], s["T"], cfg.d_model))
     dy = jax.random.normal(kd, x.shape)
 
-    @jax.jit
     def fwd_bwd(params, x, dy):
         def f(params, x):
             return nnx.merge(graphdef, params)(x)[0]
 
         _, vjp = jax.vjp(f, params, x)
         return vjp(dy)
+
+    # Compiled as the train step compiles the layer on CPU (train.cpu_matmul's default).
+    fwd_bwd = jax.jit(
+        fwd_bwd, compiler_options=cpu_matmul.compiler_options("onednn", jax.devices()[0].platform)
+    )
 
     def step():
         jax.block_until_ready(fwd_bwd(params, x, dy))
