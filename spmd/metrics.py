@@ -1,5 +1,6 @@
 """Peak FLOP/s for MFU, and the run's metric sinks: metrics.jsonl, TensorBoard, a loss-curve PNG."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from spmd.data import cache_dir
+from spmd.errors import UserError
 from spmd.hardware import chip_for
 
 MATMUL_N = 2048
@@ -75,6 +77,13 @@ def peak_flops(dtype: str) -> tuple[float, str]:
     )
 
 
+class MetricsWriteError(UserError):
+    """The run directory's metrics could not be written (disk full, permissions): training stops
+    with exit code 3, as for a checkpoint that cannot be written."""
+
+    exit_code = 3
+
+
 class MetricsWriter:
     """Writes each logged step to metrics.jsonl and TensorBoard; draws loss.png at the end."""
 
@@ -92,17 +101,31 @@ class MetricsWriter:
             [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         )
         self.jsonl = open(path, "a")
+        self.failed: MetricsWriteError | None = None
         self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         self.history.append(record)
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        except OSError as e:
+            self.failed = MetricsWriteError(
+                f"step {record.get('step')}'s metrics could not be written to {self.jsonl.name}: "
+                f"{e.strerror or e}; training stopped"
+            )
+            raise self.failed from None
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
                 self.tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
+        if self.failed is not None:  # what is buffered cannot be written either: drop it quietly
+            with contextlib.suppress(OSError):
+                self.jsonl.close()
+            with contextlib.suppress(Exception):  # TensorBoard's writer thread meets the same disk
+                self.tb.close()
+            return
         self.jsonl.close()
         self.tb.close()
         self.plot()

@@ -1,6 +1,7 @@
 """The train loop's side jobs decide when they run: logged, evaluated and saved steps, preemption,
 and training time that leaves hook time out. A counting step stands in for the model."""
 
+import pathlib
 import time
 
 import numpy as np
@@ -219,3 +220,23 @@ def test_watchdog_dumps_every_stack_and_exits_4_on_a_hang(tmp_path):
     assert "in step" in result.stderr and "Thread 0x" in result.stderr  # all threads, the watchdog's too
     dump = (tmp_path / "hangs" / "step2.process1.txt").read_text()
     assert dump.startswith("error: hang:") and "in step" in dump
+
+
+def test_metrics_that_cannot_be_written_stop_the_run_with_one_error(tmp_path):
+    """metrics.jsonl on a full disk (/dev/full answers every write with ENOSPC): the write raises
+    one MetricsWriteError (exit code 3) naming the file and the reason, and closing the writer
+    afterwards (the loop closes every hook) raises nothing more."""
+    from spmd.metrics import MetricsWriteError, MetricsWriter
+
+    if not pathlib.Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    writer = MetricsWriter(tmp_path)
+    writer.jsonl.close()
+    writer.jsonl = open("/dev/full", "a")
+    with pytest.raises(
+        MetricsWriteError,
+        match=r"step 3's metrics could not be written to /dev/full: No space left on device; training stopped",
+    ) as e:
+        writer.write({"step": 3, "loss": 1.0})
+    assert e.value.exit_code == 3
+    writer.close()

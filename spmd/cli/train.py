@@ -385,7 +385,7 @@ def train(
 
     from spmd import checkpoint as ckpt
     from spmd import goodput, loop
-    from spmd.metrics import MetricsWriter
+    from spmd.metrics import MetricsWriteError, MetricsWriter
     from spmd.train import evaluate_all
     from spmd.watchdog import Watchdog
 
@@ -427,10 +427,14 @@ def train(
         hooks.append(loop.ProfileHook(run_dir / "profile", *profile, start.step))
     preemption = loop.Preemption().install()
     watchdog = Watchdog(tcfg.step_timeout, run_dir / "hangs", jax.process_index(), compile_seconds)
-    loop.TrainLoop(
-        step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,
-        watchdog=watchdog,
-    ).run(start.state, start.step, tcfg.steps)  # fmt: skip
+    try:
+        loop.TrainLoop(
+            step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,
+            watchdog=watchdog,
+        ).run(start.state, start.step, tcfg.steps)  # fmt: skip
+    except MetricsWriteError as e:
+        kept = ", ".join(map(str, ckpt.committed_steps(checkpointer.directory))) or "none"
+        raise MetricsWriteError(f"{e}; the committed checkpoints ({kept}) are intact") from None
 
     if preemption.signal is not None:
         if is_main:
