@@ -20,9 +20,11 @@ CHUNKED_FROM = 1024
 # the masked upper triangle of blocks is never computed: n blocks do (n+1)/2n of the full work.
 # Each block is one more attention in the program, so at most CAUSAL_BLOCKS of them, each at least
 # CAUSAL_BLOCK_MIN queries. Measured on XLA:CPU (docs/performance.md, issue 19): the train step of
-# d 512, 8 layers, T 512 1.12-1.16x faster in fp32 and 1.09-1.11x in bf16, its temporaries
-# 1,492 -> 1,099 MiB; `small` (T 128, two blocks) 1.04-1.06x.
-CAUSAL_BLOCKS = 8
+# d 512, 8 layers, T 512 1.12-1.16x faster in fp32 and 1.09-1.11x in bf16 with 8 blocks, its
+# temporaries 1,492 -> 1,099 MiB; `small` (T 128, two blocks) 1.04-1.06x. With oneDNN running the
+# dots, 4 larger blocks beat 8: that step 1.16x in bf16 and 1.05-1.16x in fp32 again, T 1024
+# 1.14x bf16 and 1.00x fp32 (a lone attention of batch 1 at T 1k-4k fp32 is ~7% slower with 4).
+CAUSAL_BLOCKS = 4
 CAUSAL_BLOCK_MIN = 64
 
 
