@@ -18,13 +18,17 @@ from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provi
 CHUNKED_FROM = 1024
 # Causal self-attention in plain XLA runs as query blocks, each against the keys up to its end, so
 # the masked upper triangle of blocks is never computed: n blocks do (n+1)/2n of the full work.
-# Each block is one more attention in the program, so at most CAUSAL_BLOCKS of them, each at least
-# CAUSAL_BLOCK_MIN queries. Measured on XLA:CPU (docs/performance.md, issue 19): the train step of
-# d 512, 8 layers, T 512 1.12-1.16x faster in fp32 and 1.09-1.11x in bf16 with 8 blocks, its
-# temporaries 1,492 -> 1,099 MiB; `small` (T 128, two blocks) 1.04-1.06x. With oneDNN running the
-# dots, 4 larger blocks beat 8: that step 1.16x in bf16 and 1.05-1.16x in fp32 again, T 1024
-# 1.14x bf16 and 1.00x fp32 (a lone attention of batch 1 at T 1k-4k fp32 is ~7% slower with 4).
-CAUSAL_BLOCKS = 4
+# Each block is one more attention in the program (its own slices of the keys and values, converts
+# and transposes: work that grows with n x T while the saving grows with T^2), so at most
+# CAUSAL_BLOCKS of them, CAUSAL_BLOCKS_SHORT up to SHORT_BLOCKS_UP_TO positions, each at least
+# CAUSAL_BLOCK_MIN queries. Measured on XLA:CPU (docs/performance.md, issue 19): 8 blocks made the
+# train step of d 512, 8 layers, T 512 1.12-1.16x faster in fp32 and 1.09-1.11x in bf16, its
+# temporaries 1,492 -> 1,099 MiB, and `small` (T 128, two blocks) 1.04-1.06x. With the dots in
+# oneDNN, 4 blocks beat 8 up to T 1024 (that step 1.16x bf16 and 1.05-1.16x fp32 again; at T 1024
+# 1.14x bf16, 1.00x fp32); a lone attention at T 4096 is 6% faster with 8 (fp32).
+CAUSAL_BLOCKS = 8
+CAUSAL_BLOCKS_SHORT = 4
+SHORT_BLOCKS_UP_TO = 1024
 CAUSAL_BLOCK_MIN = 64
 
 
@@ -55,7 +59,8 @@ def xla_attention(
     """
     B, T, N, H = q_BTNH.shape
     S = k_BSKH.shape[1]
-    block = max(CAUSAL_BLOCK_MIN, -(-T // CAUSAL_BLOCKS))
+    blocks = CAUSAL_BLOCKS_SHORT if T <= SHORT_BLOCKS_UP_TO else CAUSAL_BLOCKS
+    block = max(CAUSAL_BLOCK_MIN, -(-T // blocks))
     if causal and q_positions_BT is None and T == S and T > block:
         seg = segment_ids_BT is not None
         outs = [

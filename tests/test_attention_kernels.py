@@ -236,10 +236,7 @@ def test_model_trains_like_xla(single_device_run, devices, impl):
 
 def test_chunked_train_step_memory_grows_linearly(devices):
     """Compiled, not run: doubling T at most doubles (plus slack) the chunked step's temporaries,
-    while xla attention's grow with T^2. Guards against residuals that bring back O(T^2).
-
-    The xla control spans 4x in T (16x if all quadratic, 4x if linear): its O(T) part and the
-    causal blocks' boundaries move a single doubling's ratio around 3.4-3.6 (8 and 4 blocks)."""
+    while xla attention's quadruple. Guards against residuals that bring back O(T^2)."""
     from spmd.setup import assemble
 
     def temp_bytes(impl, T):
@@ -250,4 +247,4 @@ def test_chunked_train_step_memory_grows_linearly(devices):
         return trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("chunked", 4096) / temp_bytes("chunked", 2048) < 2.2
-    assert temp_bytes("xla", 4096) / temp_bytes("xla", 1024) > 10
+    assert temp_bytes("xla", 4096) / temp_bytes("xla", 2048) > 3.5
