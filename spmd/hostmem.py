@@ -50,7 +50,11 @@ def retain_freed_memory() -> bool:
         libc.mallopt(param, value) == 1
         for param, value in (
             (_M_MMAP_MAX, 0),  # large blocks from the heap, not from fresh mappings
-            (_M_TRIM_THRESHOLD, 2**31 - 1),  # never hand the heap's free top back to the system
+            # never hand the heap's free top back to the system: -1 is "never" (mallopt(3)); the
+            # largest positive value, 2**31 - 1, still trimmed a free top over 2 GiB, and a step
+            # with 1.2 GiB of temporaries (d 512 / 8 layers / T 512 fp32) then faulted them in
+            # again in ~1 step of 3, some taking 2x as long (docs/performance.md, issue 19)
+            (_M_TRIM_THRESHOLD, -1),
             (_M_ARENA_MAX, 1),  # one arena: another thread's arena maps its large blocks anyway
         )
     )
