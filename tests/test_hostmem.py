@@ -4,6 +4,7 @@ the switch is process-wide and cannot be undone."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -42,16 +43,20 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(setting: str) -> dict:
-    import pathlib
+ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 
-    root = str(pathlib.Path(__file__).resolve().parent.parent)
-    code = PROBE.format(root=root, override=f"train.host_heap={setting}")
+
+def run_fresh(code: str) -> dict:
+    """The JSON line that `code` prints last, run in a fresh process on one CPU device."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe(setting: str) -> dict:
+    return run_fresh(PROBE.format(root=ROOT, override=f"train.host_heap={setting}"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -99,14 +104,7 @@ def test_retained_heap_keeps_a_free_top_larger_than_2_gib():
     (2**31 - 1) still trimmed above 2 GiB, so a train step with more temporaries than that left
     free at the top (d 512 / 8 layers / T 512 fp32: 1.2 GiB of temporaries, plus the freed state)
     faulted them in again every few steps."""
-    import pathlib
-
-    root = str(pathlib.Path(__file__).resolve().parent.parent)
-    out = subprocess.run(
-        [sys.executable, "-c", TRIM_PROBE.format(root=root)], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    faults = json.loads(out.stdout.strip().splitlines()[-1])
+    faults = run_fresh(TRIM_PROBE.format(root=ROOT))
     assert faults["first"] > 0.9 * faults["pages"], faults  # the probe does fault fresh memory in
     assert faults["again"] < 0.01 * faults["pages"], faults  # and the freed block was kept
 
