@@ -111,6 +111,13 @@ def committed_steps(directory: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
+def kept_checkpoints(directory: pathlib.Path) -> str:
+    """What a run stopped by a failed write tells the user it keeps: "the committed checkpoints
+    (2, 4) are intact" (or "(none)")."""
+    kept = ", ".join(map(str, committed_steps(directory))) or "none"
+    return f"the committed checkpoints ({kept}) are intact"
+
+
 def uncommitted(directory: pathlib.Path) -> list[str]:
     if not directory.is_dir():
         return []
@@ -259,10 +266,9 @@ class Checkpointer:
         if jax.process_index() == 0:
             for name in uncommitted(self.directory):
                 shutil.rmtree(self.directory / name, ignore_errors=True)
-        kept = ", ".join(map(str, committed_steps(self.directory))) or "none"
         self.failed = SaveError(
             f"the checkpoint for step {step} could not be written to {self.directory}: {_cause(e)}; "
-            f"training stopped; the committed checkpoints ({kept}) are intact"
+            f"training stopped; {kept_checkpoints(self.directory)}"
         )
         raise self.failed from None
 

@@ -433,8 +433,7 @@ def train(
             watchdog=watchdog,
         ).run(start.state, start.step, tcfg.steps)  # fmt: skip
     except MetricsWriteError as e:
-        kept = ", ".join(map(str, ckpt.committed_steps(checkpointer.directory))) or "none"
-        raise MetricsWriteError(f"{e}; the committed checkpoints ({kept}) are intact") from None
+        raise MetricsWriteError(f"{e}; {ckpt.kept_checkpoints(checkpointer.directory)}") from None
 
     if preemption.signal is not None:
         if is_main:
