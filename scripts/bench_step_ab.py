@@ -57,6 +57,7 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
+    from spmd import cpu_matmul
     from spmd.errors import UserError
     from spmd.setup import assemble
 
@@ -72,7 +73,10 @@ def main() -> None:
             raise SystemExit(2) from None
         trainer, batches = setup.trainer, setup.batches()
         state, batch = trainer.init_state(), batches.train_batch(0)
-        step = trainer.train_step.lower(state, batch).compile(compiler_options=options or None)
+        # kept, as spmd/cpu_matmul.py keeps oneDNN programs (XLA can abort when one is freed)
+        step = cpu_matmul.keep(
+            trainer.train_step.lower(state, batch).compile(compiler_options=options or None)
+        )
         runs.append(
             {"label": text or "(baseline)", "step": step, "state": state, "batch": batch, "times": []}
         )

@@ -125,7 +125,7 @@ def jax_attention(s: dict):
 
     # Compiled as the train step compiles attention on CPU (train.cpu_matmul's default).
     options = cpu_matmul.compiler_options("onednn", jax.devices()[0].platform, s["impl"])
-    compiled = jax.jit(fwd_bwd, compiler_options=options).lower(q, k, v, do).compile()
+    compiled = cpu_matmul.keep(jax.jit(fwd_bwd, compiler_options=options).lower(q, k, v, do).compile())
     temps = compiled.memory_analysis().temp_size_in_bytes
     base = rss_bytes()
 
@@ -164,9 +164,7 @@ def jax_moe(s: dict):
         return vjp(dy)
 
     # Compiled as the train step compiles the layer on CPU (train.cpu_matmul's default).
-    fwd_bwd = jax.jit(
-        fwd_bwd, compiler_options=cpu_matmul.compiler_options("onednn", jax.devices()[0].platform)
-    )
+    fwd_bwd = cpu_matmul.jit(fwd_bwd, "onednn", jax.devices()[0].platform)
 
     def step():
         jax.block_until_ready(fwd_bwd(params, x, dy))

@@ -15,7 +15,10 @@ changes. GPU and TPU programs get no options. Such programs are not kept in JAX'
 compilation cache (below).
 """
 
+import collections
 import warnings
+
+import jax
 
 # XLA cannot serialise a program with oneDNN thunks yet ("ToProto is not implemented for thunk
 # kind: onednn-fusion"): where JAX's persistent compilation cache is on it warns at each such
@@ -44,3 +47,32 @@ def compiler_options(setting: str, platform: str, attention_impl: str = "xla") -
     (one of CPU_MATMUL, checked with the config), for a model whose `attention_impl` is given."""
     use = platform == "cpu" and setting == "onednn" and attention_impl not in KEEPS_XLA_LIBRARIES
     return dict(_ONEDNN) if use else None
+
+
+# XLA:CPU (jax 0.12) aborts the process when a program with oneDNN fusions is freed as an execution
+# of it ends (`object_pool.h: Check failed: available_.size() == num_created_`): a fusion hands its
+# oneDNN runtime back to the thunk's pool in a callback on its done event, and such callbacks run
+# last-registered first, so the executor's continuation, which ends the execution and drops the
+# program where its caller already has, runs before the hand-back (XLA's onednn_fusion_thunk.cc,
+# tsl's AsyncValue::RunWaiters). Measured: fresh programs dropped while they ran aborted within
+# 1-18 programs, dropped just after their outputs were ready within ~70; a CI run of the suite
+# aborted once. So the newest KEPT_PROGRAMS oneDNN programs are kept here as well: a run builds
+# two (train and eval step), and a test or script that builds more frees a program only after
+# that many newer ones were built, long after its last execution ended.
+KEPT_PROGRAMS = 8
+_kept: collections.deque = collections.deque(maxlen=KEPT_PROGRAMS)
+
+
+def keep(program):
+    """Keep `program` (a jitted function or a compiled one) alive until KEPT_PROGRAMS newer ones
+    are kept (above); returns it."""
+    _kept.append(program)
+    return program
+
+
+def jit(fun, setting: str, platform: str, attention_impl: str = "xla", **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` with the matmul library of `train.cpu_matmul=setting`
+    (compiler_options); a oneDNN program is kept (keep)."""
+    options = compiler_options(setting, platform, attention_impl)
+    program = jax.jit(fun, compiler_options=options, **jit_kwargs)
+    return keep(program) if options else program

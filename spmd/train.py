@@ -391,14 +391,14 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         tx=tx,
         state_shardings=state_shardings,
         update_shardings=update_shardings,
-        train_step=jax.jit(
+        train_step=cpu_matmul.jit(
             train_step,
+            tcfg.cpu_matmul,
+            platform_of(mesh),
+            cfg.model.attention_impl,
             in_shardings=(state_shardings, batch_shardings),
             out_shardings=(state_shardings, plan.replicated),
             donate_argnums=0,
-            compiler_options=cpu_matmul.compiler_options(
-                tcfg.cpu_matmul, platform_of(mesh), cfg.model.attention_impl
-            ),
         ),
         eval_step=build_eval_step(cfg, plan),
         init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=init_compiler_options(mesh)),
@@ -425,13 +425,13 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
         return ce_sum, count
 
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
-    return jax.jit(
+    return cpu_matmul.jit(
         eval_step,
+        cfg.train.cpu_matmul,
+        platform_of(mesh),
+        cfg.model.attention_impl,
         in_shardings=(plan.param_shardings, batch_shardings),
         out_shardings=plan.replicated,
-        compiler_options=cpu_matmul.compiler_options(
-            cfg.train.cpu_matmul, platform_of(mesh), cfg.model.attention_impl
-        ),
     )
 
 

@@ -1,9 +1,11 @@
 """Strict JAX on 8 fake CPU devices, set before JAX initialises."""
 
 import atexit
+import json
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -48,6 +50,15 @@ def run_training(cfg, mesh_spec: str, rules_name: str, steps: int, devices=None)
         losses.append(float(metrics["loss"]))
     params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
     return np.array(losses), params, trainer
+
+
+def run_fresh(code: str) -> dict:
+    """The JSON line that `code` prints last, run in a fresh process on one CPU device."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")

@@ -137,9 +137,8 @@ def test_cpu_attention_backward_matches_autodiff():
 
     def grads(f):
         loss = lambda q, k, v: jnp.sum(f(q, k, v, mask, H**-0.5).astype(jnp.float32) * w_o)  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options=onednn)
+        return cpu_matmul.jit(jax.grad(loss, argnums=(0, 1, 2)), "onednn", "cpu")
 
-    onednn = cpu_matmul.compiler_options("onednn", "cpu")
     np.testing.assert_array_equal(ours(q32, k32, v32, mask, H**-0.5), plain(q32, k32, v32, mask, H**-0.5))
     truth = grads(plain)(q32, k32, v32)
     for name, g, r in zip("qkv", grads(ours)(q32, k32, v32), truth):

@@ -1,10 +1,12 @@
 """train.cpu_matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/cpu_matmul.py)."""
 
 import re
+import textwrap
 
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, run_fresh
 
 from spmd.config import load_config
 from spmd.errors import UserError
@@ -55,6 +57,35 @@ def test_cpu_steps_run_their_matmuls_in_onednn_and_compute_the_same_loss():
     np.testing.assert_allclose(loss, loss_xla, rtol=1e-6)
 
 
+DROPPED_PROGRAMS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {root!r})
+    import jax, jax.numpy as jnp
+    from spmd import cpu_matmul
+
+    x = jnp.ones((1024, 1024))
+    for i in range({n}):
+        # a new oneDNN program each time, dropped by its caller while it runs ...
+        y = cpu_matmul.jit(lambda a: jnp.tanh(a @ a) @ a, "onednn", "cpu")(x)
+        y.block_until_ready()
+        # ... and one dropped right after its outputs are ready
+        f = cpu_matmul.jit(lambda a: a @ a.T, "onednn", "cpu")
+        f(x).block_until_ready()
+        del f
+    print(json.dumps({{"programs": 2 * {n}}}))
+    """
+)
+
+
+def test_onednn_programs_may_be_dropped_while_they_run():
+    """XLA aborts the process when a oneDNN program is freed as its execution ends (the fusion's
+    runtime is still out of its pool: spmd/cpu_matmul.py, KEPT_PROGRAMS); cpu_matmul.jit keeps
+    such programs. Without that, this process aborted within 1-18 programs of the first kind and
+    ~70 of the second (the suite's CI run aborted once in a test that dropped its program)."""
+    assert run_fresh(DROPPED_PROGRAMS.format(root=str(ROOT), n=60)) == {"programs": 120}
+
+
 def test_cpu_matmul_rejects_an_unknown_library():
     with pytest.raises(UserError, match=r"train.cpu_matmul must be one of onednn, xla, got 'mkl'"):
         load_config("tiny", ["train.cpu_matmul=mkl"])
@@ -86,9 +117,8 @@ def test_pallas_programs_keep_xla_libraries_where_onednn_gets_the_flash_backward
     def backward(q, k, v, out, lse, do):
         return flash_backward(q, k, v, None, out, lse, do, 0 * lse, True, H**-0.5, bs, True)
 
-    onednn = cpu_matmul.compiler_options("onednn", "cpu")
     dq, dk, dv = jax.jit(backward)(q, k, v, out, lse, do)
-    dq1, dk1, dv1 = jax.jit(backward, compiler_options=onednn)(q, k, v, out, lse, do)
+    dq1, dk1, dv1 = cpu_matmul.jit(backward, "onednn", "cpu")(q, k, v, out, lse, do)
     np.testing.assert_allclose(dv1, dv, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(dq)).max() > 0.1 and np.abs(np.asarray(dk)).max() > 0.1
     assert not np.asarray(dq1).any() and not np.asarray(dk1).any(), (
@@ -138,9 +168,7 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
         logp = jax.numpy.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
         return -jax.numpy.mean(logp)
 
-    ours = jax.jit(jax.grad(loss), compiler_options=cpu_matmul.compiler_options("onednn", "cpu", impl))(
-        params
-    )
+    ours = cpu_matmul.jit(jax.grad(loss), "onednn", "cpu", impl)(params)
     xla = jax.jit(jax.grad(loss))(params)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(xla), strict=True):
         err = np.linalg.norm(np.asarray(g, np.float32) - np.asarray(r, np.float32)) / np.linalg.norm(

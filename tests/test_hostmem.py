@@ -2,14 +2,12 @@
 temporaries are not page-faulted in again on every execution. Each case runs in a fresh process:
 the switch is process-wide and cannot be undone."""
 
-import json
-import os
 import pathlib
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from conftest import run_fresh
 
 from spmd import hostmem
 from spmd.config import load_config
@@ -44,15 +42,6 @@ PROBE = textwrap.dedent(
 
 
 ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
-
-
-def run_fresh(code: str) -> dict:
-    """The JSON line that `code` prints last, run in a fresh process on one CPU device."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def probe(setting: str) -> dict:
