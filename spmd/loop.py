@@ -153,6 +153,12 @@ class TrainLoop:
             if pending is not None:
                 self._count(*pending)
             self._spend("productive")
+        except BaseException:
+            # A diverged run, a failed hook or Ctrl-C can leave the last step running: wait for it,
+            # so that the process does not exit and free the step's program under it (XLA then
+            # aborts with oneDNN programs, turning exit code 2 into 134: spmd/cpu_matmul.py).
+            _wait_quietly(state)
+            raise
         finally:
             for hook in self.hooks:
                 self._spend("productive")
@@ -162,6 +168,14 @@ class TrainLoop:
             if self.watchdog is not None:
                 self.watchdog.stop()
         return state
+
+
+def _wait_quietly(tree) -> None:
+    """Wait for `tree`'s arrays; one that failed or was deleted raised its error already."""
+    try:
+        jax.block_until_ready(tree)
+    except Exception:
+        pass
 
 
 class EvalHook(Hook):

@@ -111,6 +111,31 @@ def test_consecutive_skipped_steps_stop_the_run_before_any_hook_sees_the_last():
     assert counts == [1, 4, 6]  # skipped steps so far at steps 3, 6, 9; 0: no limit
 
 
+def test_an_error_waits_for_the_step_still_running():
+    """The loop keeps one step in flight; when the step before it turns out to be the last of a
+    diverged streak, that step is waited for before the error leaves the loop (a process exiting
+    under a running oneDNN program aborts: spmd/cpu_matmul.py)."""
+
+    class Running:  # a step's output, as JAX returns it before the step is done
+        def __init__(self, step):
+            self.step, self.waited = step, False
+
+        def block_until_ready(self):
+            self.waited = True
+            return self
+
+    dispatched = []
+
+    def step(state, batch):
+        dispatched.append(Running(batch))
+        return {"params": dispatched[-1]}, {"loss": np.float32(1), "skipped": np.int32(batch >= 2)}
+
+    with pytest.raises(loop.Diverged, match="steps 3-5"):
+        loop.TrainLoop(step, Steps(), [], max_skipped=3).run({"params": None}, 0, 20)
+    assert [r.step for r in dispatched] == list(range(6))  # step 6 (batch 5) was in flight ...
+    assert dispatched[-1].waited  # ... and was waited for
+
+
 def test_goodput_ledger_puts_every_second_in_one_bucket():
     """Data waits, hook time by bucket (eval, checkpoint, other) and productive steps add up to the
     wall time since `started`; a carried ledger (a resumed checkpoint's) adds on; goodput =
