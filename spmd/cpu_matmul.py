@@ -55,7 +55,7 @@ def compiler_options(setting: str, platform: str, attention_impl: str = "xla") -
 # last-registered first, so the executor's continuation, which ends the execution and drops the
 # program where its caller already has, runs before the hand-back (XLA's onednn_fusion_thunk.cc,
 # tsl's AsyncValue::RunWaiters). Measured: fresh programs dropped while they ran aborted within
-# 1-18 programs, dropped just after their outputs were ready within ~70; a CI run of the suite
+# 1-19 programs, dropped just after their outputs were ready within 61-137; a CI run of the suite
 # aborted once. So the newest KEPT_PROGRAMS oneDNN programs are kept here as well: a run builds
 # two (train and eval step), and a test or script that builds more frees a program only after
 # that many newer ones were built, long after its last execution ended.
