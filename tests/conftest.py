@@ -53,9 +53,10 @@ def run_training(cfg, mesh_spec: str, rules_name: str, steps: int, devices=None)
 
 
 def run_fresh(code: str) -> dict:
-    """The JSON line that `code` prints last, run in a fresh process on one CPU device."""
+    """The JSON line that `code` prints last, run in a fresh process on one CPU device (with the
+    project importable)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

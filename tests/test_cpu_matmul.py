@@ -6,7 +6,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, run_fresh
+from conftest import run_fresh
 
 from spmd.config import load_config
 from spmd.errors import UserError
@@ -59,8 +59,7 @@ def test_cpu_steps_run_their_matmuls_in_onednn_and_compute_the_same_loss():
 
 DROPPED_PROGRAMS = textwrap.dedent(
     """
-    import json, sys
-    sys.path.insert(0, {root!r})
+    import json
     import jax, jax.numpy as jnp
     from spmd import cpu_matmul
 
@@ -84,7 +83,7 @@ def test_onednn_programs_may_be_dropped_while_they_run():
     such programs. Without that, this test failed 5 of 5 runs, and a script like it aborted within
     1-19 programs of the first kind and 61-137 of the second (the suite's CI run aborted once, in a
     test that dropped its program while it ran)."""
-    assert run_fresh(DROPPED_PROGRAMS.format(root=str(ROOT), n=60)) == {"programs": 120}
+    assert run_fresh(DROPPED_PROGRAMS.format(n=60)) == {"programs": 120}
 
 
 def test_cpu_matmul_rejects_an_unknown_library():

@@ -2,7 +2,6 @@
 temporaries are not page-faulted in again on every execution. Each case runs in a fresh process:
 the switch is process-wide and cannot be undone."""
 
-import pathlib
 import sys
 import textwrap
 
@@ -17,9 +16,8 @@ from spmd.errors import UserError
 # runs them: page faults per step, with glibc's malloc as it is and with freed memory retained.
 PROBE = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, resource
     import jax
-    sys.path.insert(0, {root!r})
     from spmd import hostmem
     from spmd.setup import assemble, before_jax_starts
 
@@ -41,11 +39,8 @@ PROBE = textwrap.dedent(
 )
 
 
-ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
-
-
 def probe(setting: str) -> dict:
-    return run_fresh(PROBE.format(root=ROOT, override=f"train.host_heap={setting}"))
+    return run_fresh(PROBE.format(override=f"train.host_heap={setting}"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -64,8 +59,7 @@ def test_retained_heap_stops_the_page_faults_of_each_execution():
 # trimming is off, and the next block of that size is page-faulted in again.
 TRIM_PROBE = textwrap.dedent(
     """
-    import ctypes, ctypes.util, json, resource, sys
-    sys.path.insert(0, {root!r})
+    import ctypes, ctypes.util, json, resource
     from spmd import hostmem
 
     assert hostmem.retain_freed_memory()
@@ -82,7 +76,7 @@ TRIM_PROBE = textwrap.dedent(
         libc.free(block)
         return faults
     first, again = touch(), touch()
-    print(json.dumps({{"first": first, "again": again, "pages": size / 4096}}))
+    print(json.dumps({"first": first, "again": again, "pages": size / 4096}))
     """
 )
 
@@ -93,7 +87,7 @@ def test_retained_heap_keeps_a_free_top_larger_than_2_gib():
     (2**31 - 1) still trimmed above 2 GiB, so a train step with more temporaries than that left
     free at the top (d 512 / 8 layers / T 512 fp32: 1.2 GiB of temporaries, plus the freed state)
     faulted them in again every few steps."""
-    faults = run_fresh(TRIM_PROBE.format(root=ROOT))
+    faults = run_fresh(TRIM_PROBE)
     assert faults["first"] > 0.9 * faults["pages"], faults  # the probe does fault fresh memory in
     assert faults["again"] < 0.01 * faults["pages"], faults  # and the freed block was kept
 
