@@ -13,15 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.llama import KV_CACHE_AXES, KVCache
 from spmd import checkpoint as ckpt
 from spmd.config import config_from_json
 from spmd.errors import UserError
-from spmd.mesh import axes_size
+from spmd.mesh import axes_size, platform_of
 from spmd.rules import load_rules
 from spmd.setup import Setup, assemble
+from spmd.sharding import path_str
 from spmd.train import held_out_by_source
 
 
@@ -117,8 +118,15 @@ class Sampler:
         plan = loaded.plan
         self.cache_sharding = plan.rules.sharding(plan.mesh, KV_CACHE_AXES)
         graphdef = plan.graphdef
+        # On CPU the decode plan unrolls the layers (spmd.setup) and each layer's weights are
+        # arrays of their own, split here once: XLA:CPU copies a slice of a stacked weight, which
+        # was every layer's weights for every token (12 MiB per token for `small` in fp32), while
+        # a stack built in the program from its layers folds into them. These parameters are a
+        # second copy (in the compute dtype) while the caller keeps `loaded.params`.
+        self.params = decoding_params(loaded.params, plan, split=platform_of(plan.mesh) == "cpu")
 
         def forward(params, tokens_BT, positions_BT, cache):
+            params = stack_layers(params)
             with plan.activate():
                 logits_BTV, cache = nnx.merge(graphdef, params)(tokens_BT, positions_BT, cache)
             return logits_BTV[:, -1].astype(jnp.float32), cache
@@ -162,7 +170,7 @@ class Sampler:
             pad_B[i] = P - len(p)
         positions_BP = np.arange(P)[None, :] - pad_B[:, None]  # padding gets negative positions: masked
         cache = self.empty_cache(B, P + max_new_tokens)
-        logits_BV, cache = self.forward(self.loaded.params, tokens_BP, positions_BP, cache)
+        logits_BV, cache = self.forward(self.params, tokens_BP, positions_BP, cache)
         key = jax.random.key(seed)
         out = np.zeros((B, max_new_tokens), np.int32)
         # Token t is drawn with fold_in(key, t), from the logits after token t-1.
@@ -174,7 +182,7 @@ class Sampler:
             if t + 1 < max_new_tokens:
                 positions_B1 = (P - pad_B + t)[:, None]
                 next_B, cache = self.decode(
-                    self.loaded.params,
+                    self.params,
                     next_B[:, None],
                     positions_B1,
                     cache,
@@ -185,6 +193,35 @@ class Sampler:
                 )
                 next_B = np.asarray(next_B)
         return [out[i] for i in range(n)]
+
+
+def decoding_params(params: dict, plan, split: bool) -> dict:
+    """The parameters as the token step reads them, made once: those the model casts to the compute
+    dtype where it uses them (`ParamInfo.compute_cast`) cast (the same values every token read
+    before; in bfloat16 the step re-cast every weight per token); with `split`, each stacked-layer
+    parameter (`plan.layered`) as a tuple of its layers, placed as the stack was less its leading
+    axis (decoding never splits the layers over devices)."""
+    dtype = jnp.dtype(plan.model_cfg.dtype)
+    cast = {p.path for p in plan.params if p.compute_cast}
+
+    def made(path, a):
+        a = a.astype(dtype) if path_str(path) in cast else a
+        return tuple(a[i] for i in range(a.shape[0])) if split and path_str(path) in plan.layered else a
+
+    def placed(path, s):
+        if not (split and path_str(path) in plan.layered):
+            return s
+        return (NamedSharding(s.mesh, PartitionSpec(*s.spec[1:])),) * plan.layered[path_str(path)]
+
+    shardings = jax.tree_util.tree_map_with_path(placed, plan.param_shardings)
+    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(made, p), out_shardings=shardings)(params)
+
+
+def stack_layers(params: dict) -> dict:
+    """`decoding_params`' split undone inside a traced program (a no-op on stacked parameters)."""
+    return jax.tree.map(
+        lambda x: jnp.stack(x) if isinstance(x, tuple) else x, params, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def pick(logits_BV, key, temperature: float, top_k: int):

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -38,14 +39,52 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(unroll):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_decoding_on_cpu_scans_the_layers(devices):
-    """Unrolled layers cost XLA:CPU per-token copies of weights and caches: decoding takes one scan
-    iteration per layer whatever the config's scan_unroll (training keeps it)."""
+@pytest.mark.parametrize("config,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("tiny-moe", "float32")])
+def test_decoding_on_cpu_copies_no_layer_weights(devices, config, dtype):
+    """XLA:CPU copies a slice of a stacked array, which was every layer's weights for every token:
+    decoding on CPU unrolls the layers (whatever the config's scan_unroll; training keeps it) and
+    the sampler feeds each layer's weights as arrays of their own, so no instruction of the token
+    step makes an array of a layer weight's shape in the compute dtype (in bfloat16 each weight was
+    cast per token: the sampler casts them once); the split weights stack back to the originals,
+    cast."""
+    from spmd.inference import Loaded, Sampler, stack_layers
     from spmd.setup import assemble
+    from spmd.sharding import path_str
 
-    decode = assemble("small", "", "dp", devices=devices[:1], optimizer=False, decoding=True, batch_size=1)
-    train = assemble("small", "", "dp", devices=devices[:1], optimizer=False)
-    assert (decode.plan.model_cfg.scan_unroll, train.plan.model_cfg.scan_unroll) == (1, 4)
+    sets = [f"model.dtype={dtype}"]
+    decode = assemble(
+        config, "", "dp", overrides=sets, devices=devices[:1], optimizer=False, decoding=True, batch_size=1
+    )
+    train = assemble(config, "", "dp", overrides=sets, devices=devices[:1], optimizer=False)
+    n_layers = decode.cfg.model.n_layers
+    assert (decode.plan.model_cfg.scan_unroll, train.plan.model_cfg.scan_unroll) == (n_layers, 1)
+    plan = decode.plan
+    params = jax.jit(lambda: plan.init_params(0), out_shardings=plan.param_shardings)()
+    sampler = Sampler(Loaded(decode, 0, {}, params))
+    # Matmul weights in the compute dtype, norm scales and the embedding as they are.
+    kept = {p.path: jnp.dtype(dtype) if p.compute_cast else p.dtype for p in plan.params}
+    cast = jax.tree_util.tree_map_with_path(lambda path, a: a.astype(kept[path_str(path)]), params)
+    jax.tree.map(np.testing.assert_array_equal, stack_layers(sampler.params), cast)
+
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    layered = [a for path, a in leaves if path_str(path) in plan.layered and a.ndim >= 3]
+    weight_dims = {d for a in layered for d in (a.shape, a.shape[1:])}
+    cache = sampler.empty_cache(1, 4)
+    hlo = (
+        sampler.decode.lower(sampler.params, np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), cache,
+                             jax.random.key(0), 1, 0.8, 5)
+        .compile()
+        .as_text()
+    )  # fmt: skip
+    # (XLA:CPU itself widens a bfloat16 matrix-vector product's operands to float32: those
+    # float32 converts are its own and stay.)
+    element = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    made = []
+    for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(", hlo):
+        dims = tuple(int(d) for d in m.group(3).split(",") if d)
+        if m.group(2) == element and dims in weight_dims and m.group(4) not in ("parameter", "bitcast"):
+            made.append(m.group(1))
+    assert not made, made
 
 
 def test_left_padding_does_not_change_a_prompt(devices):
