@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models import attention
@@ -49,9 +50,13 @@ class KVCache(NamedTuple):
     index: jax.Array  # scalar int32: the next slot to write
 
     @classmethod
-    def empty(cls, cfg: "ModelConfig", batch: int, slots: int) -> "KVCache":
+    def empty(cls, cfg: "ModelConfig", batch: int, slots: int, per_layer: bool = False) -> "KVCache":
+        """per_layer: keys and values as a tuple of (B, S, K, H) arrays, one per layer (what
+        XLA:CPU decodes fastest: a layer's slice of a stacked cache is a copy there)."""
         shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        if per_layer:
+            zeros = tuple(jnp.zeros(shape[1:], jnp.dtype(cfg.dtype)) for _ in range(cfg.n_layers))
         return cls(zeros, zeros, jnp.full((batch, slots), -1, jnp.int32), jnp.zeros((), jnp.int32))
 
 
@@ -304,6 +309,9 @@ class Decoder(nnx.Module):
             graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
             stack_axes["moe"] = _logical_axes(xs["moe"], lambda axes: axes)
         kv_LG = None  # the caches as (groups, per_group, B, S, K, H), the scan's carry
+        # A cache given as one array per layer (KVCache.per_layer) is kept so: the layers run as
+        # a Python loop (a fully unrolled scan) and each layer writes its own array in place.
+        per_layer = cache is not None and isinstance(cache.k_LBSKH, tuple)
         if cache is not None:
             positions_BS = jax.lax.dynamic_update_slice_in_dim(
                 cache.positions_BS, positions_BT, cache.index, axis=1
@@ -311,8 +319,12 @@ class Decoder(nnx.Module):
             # The caches ride in the scan's carry, each layer's new slots written in place: as the
             # scan's inputs and outputs every token would copy them whole and zero the outputs
             # first (decoding `small` at batch 16: docs/performance.md, issue 19).
-            kv_LG = tuple(c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH))
-            xs["group"] = jnp.arange(groups)
+            kv_LG = (
+                (cache.k_LBSKH, cache.v_LBSKH)
+                if per_layer
+                else tuple(c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH))
+            )
+            xs["group"] = np.arange(groups) if per_layer else jnp.arange(groups)
 
         def group(carry, xs, side):
             x_BTD, kv_LG = carry
@@ -326,7 +338,10 @@ class Decoder(nnx.Module):
                     else nnx.merge(graphdefs["dense"], jax.tree.map(lambda a: a[i], xs["dense"]))
                 )
                 kv = None
-                if kv_LG is not None:
+                if per_layer:
+                    layer = int(xs["group"]) * per_group + i
+                    kv = (kv_LG[0][layer], kv_LG[1][layer], positions_BS, cache.index)
+                elif kv_LG is not None:
                     start = (xs["group"], i, 0, 0, 0, 0)
                     k_BSKH, v_BSKH = (
                         jax.lax.dynamic_slice(c, start, (1, 1, *c.shape[2:]))[0, 0] for c in kv_LG
@@ -335,7 +350,11 @@ class Decoder(nnx.Module):
                 x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv, segment_ids_BT, order_BT)
                 x_BTD = constrain(x_BTD, RESIDUAL_AXES)
                 stats = layer_stats if moe else stats
-                if kv_LG is not None:
+                if per_layer:
+                    kv_LG = tuple(
+                        c[:layer] + (new,) + c[layer + 1 :] for c, new in zip(kv_LG, layer_kv, strict=True)
+                    )
+                elif kv_LG is not None:
                     # Only the T new slots go back into the carry.
                     T, at = x_BTD.shape[1], (xs["group"], i, 0, cache.index, 0, 0)
                     kv_LG = tuple(
@@ -352,6 +371,12 @@ class Decoder(nnx.Module):
         def run_groups(x_BTD, kv_LG, xs, side):
             """The groups stacked in `xs` applied in order: ((x, caches), stats stacked)."""
             n = jax.tree.leaves(xs)[0].shape[0]
+            if per_layer:
+                carry, stats = (x_BTD, kv_LG), []
+                for g in range(n):
+                    carry, group_stats = group(carry, jax.tree.map(lambda a: a[g], xs), side)
+                    stats.append(group_stats)
+                return carry, None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats)
             return jax.lax.scan(
                 lambda carry, row: group(carry, row, side), (x_BTD, kv_LG), xs, unroll=min(cfg.scan_unroll, n)
             )
@@ -374,7 +399,10 @@ class Decoder(nnx.Module):
             )
         else:
             (x_BTD, kv_LG), stats = run_groups(x_BTD, kv_LG, xs, side)
-        if cache is not None:
+        if per_layer:
+            k_LBSKH, v_LBSKH = (tuple(constrain(c, KV_CACHE_AXES[1:]) for c in cs) for cs in kv_LG)
+            cache = KVCache(k_LBSKH, v_LBSKH, positions_BS, cache.index + tokens_BT.shape[1])
+        elif cache is not None:
             k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_LG)
             cache = KVCache(
                 constrain(k_LBSKH, KV_CACHE_AXES),

@@ -118,12 +118,14 @@ class Sampler:
         plan = loaded.plan
         self.cache_sharding = plan.rules.sharding(plan.mesh, KV_CACHE_AXES)
         graphdef = plan.graphdef
-        # On CPU the decode plan unrolls the layers (spmd.setup) and each layer's weights are
-        # arrays of their own, split here once: XLA:CPU copies a slice of a stacked weight, which
-        # was every layer's weights for every token (12 MiB per token for `small` in fp32), while
-        # a stack built in the program from its layers folds into them. These parameters are a
-        # second copy (in the compute dtype) while the caller keeps `loaded.params`.
-        self.params = decoding_params(loaded.params, plan, split=platform_of(plan.mesh) == "cpu")
+        # On CPU the decode plan unrolls the layers (spmd.setup), and each layer's weights and
+        # caches are arrays of their own: XLA:CPU copies a slice of a stacked array, which was
+        # every layer's weights and caches for every token (12 MiB of weights per token for
+        # `small` in fp32), while a stack built in the program from its layers folds into them
+        # and a layer's own cache is written in place. The weights are split here once, a second
+        # copy (in the compute dtype) while the caller keeps `loaded.params`.
+        self.per_layer = platform_of(plan.mesh) == "cpu"
+        self.params = decoding_params(loaded.params, plan, split=self.per_layer)
 
         def forward(params, tokens_BT, positions_BT, cache):
             params = stack_layers(params)
@@ -142,13 +144,18 @@ class Sampler:
         self.replicated = plan.replicated
 
     def empty_cache(self, batch: int, slots: int) -> KVCache:
+        kv = self.cache_sharding
+        if self.per_layer:
+            kv = (NamedSharding(kv.mesh, PartitionSpec(*kv.spec[1:])),) * self.cfg.n_layers
         shardings = KVCache(
-            self.cache_sharding,
-            self.cache_sharding,
+            kv,
+            kv,
             NamedSharding(self.loaded.plan.mesh, self.loaded.plan.batch_sharding.spec),
             self.replicated,
         )
-        return jax.jit(lambda: KVCache.empty(self.cfg, batch, slots), out_shardings=shardings)()
+        return jax.jit(
+            lambda: KVCache.empty(self.cfg, batch, slots, self.per_layer), out_shardings=shardings
+        )()
 
     def generate(
         self,

@@ -20,9 +20,22 @@ from spmd.sharding import abstract_model, init_params
 CFG = ModelConfig(dtype="float32")
 
 
-@pytest.mark.parametrize("unroll", [1, CFG.n_layers])
-def test_kv_cache_decoding_equals_the_full_forward_pass(unroll):
-    cfg = dataclasses.replace(CFG, scan_unroll=unroll)
+# Interleaved: groups of one dense and one MoE layer, so a per-layer cache's numbering is checked.
+MOE_CFG = dataclasses.replace(CFG, n_layers=4, n_experts=4, top_k=2, moe_every=2, capacity_factor=2.0)
+
+
+@pytest.mark.parametrize(
+    "cfg,per_layer",
+    [
+        (CFG, False),
+        (dataclasses.replace(CFG, scan_unroll=CFG.n_layers), False),
+        (CFG, True),
+        (MOE_CFG, False),
+        (MOE_CFG, True),
+    ],
+    ids=["scanned", "unrolled", "per-layer cache", "moe", "moe per-layer cache"],
+)
+def test_kv_cache_decoding_equals_the_full_forward_pass(cfg, per_layer):
     graphdef, _ = abstract_model(Decoder, cfg)
     params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
     model = nnx.merge(graphdef, params)
@@ -30,21 +43,23 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(unroll):
     tokens = rng.integers(0, 256, (3, 20))
     full = model(tokens)
     prefill = int(rng.integers(1, 10))
-    cache = KVCache.empty(cfg, 3, 20)
+    cache = KVCache.empty(cfg, 3, 20, per_layer)
     logits, cache = model(tokens[:, :prefill], cache=cache)
     pieces = [logits]
     for t in range(prefill, 20):
         logits, cache = model(tokens[:, t : t + 1], positions_BT=jnp.full((3, 1), t), cache=cache)
         pieces.append(logits)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
+    assert isinstance(cache.k_LBSKH, tuple) == per_layer
 
 
 @pytest.mark.parametrize("config,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("tiny-moe", "float32")])
 def test_decoding_on_cpu_copies_no_layer_weights(devices, config, dtype):
-    """XLA:CPU copies a slice of a stacked array, which was every layer's weights for every token:
-    decoding on CPU unrolls the layers (whatever the config's scan_unroll; training keeps it) and
-    the sampler feeds each layer's weights as arrays of their own, so no instruction of the token
-    step makes an array of a layer weight's shape in the compute dtype (in bfloat16 each weight was
+    """XLA:CPU copies a slice of a stacked array, which was every layer's weights and caches for
+    every token: decoding on CPU unrolls the layers (whatever the config's scan_unroll; training
+    keeps it) and the sampler feeds each layer's weights and caches as arrays of their own, so no
+    instruction of the token step makes an array of a layer weight's shape in the compute dtype,
+    and a layer's cache is only written in place (in bfloat16 each weight was
     cast per token: the sampler casts them once); the split weights stack back to the originals,
     cast."""
     from spmd.inference import Loaded, Sampler, stack_layers
@@ -79,12 +94,20 @@ def test_decoding_on_cpu_copies_no_layer_weights(devices, config, dtype):
     # (XLA:CPU itself widens a bfloat16 matrix-vector product's operands to float32: those
     # float32 converts are its own and stay.)
     element = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-    made = []
+    layer_cache = cache.k_LBSKH[0].shape
+    cache_dims = {layer_cache, (n_layers, *layer_cache)}
+    made, cache_made = [], []
     for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(", hlo):
+        name, element_type, op = m.group(1), m.group(2), m.group(4)
         dims = tuple(int(d) for d in m.group(3).split(",") if d)
-        if m.group(2) == element and dims in weight_dims and m.group(4) not in ("parameter", "bitcast"):
-            made.append(m.group(1))
+        if element_type == element and dims in weight_dims and op not in ("parameter", "bitcast"):
+            made.append(name)
+        # A layer's cache is only written in place (no copy, no slice of a stacked cache).
+        in_place = op == "dynamic-update-slice" or (op == "fusion" and "dynamic-update-slice" in name)
+        if dims in cache_dims and op not in ("parameter", "bitcast") and not in_place:
+            cache_made.append(name)
     assert not made, made
+    assert not cache_made, cache_made
 
 
 def test_left_padding_does_not_change_a_prompt(devices):
