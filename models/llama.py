@@ -37,23 +37,25 @@ REMAT_POLICIES = {
 # so rules can split it where attention and MLP internals are not (Megatron sequence parallelism).
 RESIDUAL_AXES = ("batch", "act_seq", "act_embed")
 LOGITS_AXES = ("batch", "seq", "act_vocab")
-KV_CACHE_AXES = ("layers", "batch", "seq", "act_kv_heads", "head_dim")
+# Heads before slots: the attention reads a cache as (B*K, S, H) without a transpose (a copy of
+# the whole cache per layer and token in XLA:CPU with the slots first).
+KV_CACHE_AXES = ("layers", "batch", "act_kv_heads", "seq", "head_dim")
 
 
 class KVCache(NamedTuple):
     """Keys and values of every layer for S slots, and the position of the token in each slot
     (-1: empty or padding). Decoding writes T new slots at `index`."""
 
-    k_LBSKH: jax.Array
-    v_LBSKH: jax.Array
+    k_LBKSH: jax.Array
+    v_LBKSH: jax.Array
     positions_BS: jax.Array
     index: jax.Array  # scalar int32: the next slot to write
 
     @classmethod
     def empty(cls, cfg: "ModelConfig", batch: int, slots: int, per_layer: bool = False) -> "KVCache":
-        """per_layer: keys and values as a tuple of (B, S, K, H) arrays, one per layer (what
+        """per_layer: keys and values as a tuple of (B, K, S, H) arrays, one per layer (what
         XLA:CPU decodes fastest: a layer's slice of a stacked cache is a copy there)."""
-        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)
         zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         if per_layer:
             zeros = tuple(jnp.zeros(shape[1:], jnp.dtype(cfg.dtype)) for _ in range(cfg.n_layers))
@@ -179,7 +181,7 @@ class Attention(nnx.Module):
             )
 
     def __call__(self, x_BTD, positions_BT, kv=None, segment_ids_BT=None, order_BT=None):
-        """kv: None (training: causal over this sequence), or (k_BSKH, v_BSKH, positions_BS, index)
+        """kv: None (training: causal over this sequence), or (k_BKSH, v_BKSH, positions_BS, index)
         of a cache: the new keys and values are written at `index` and attended with the cache.
         segment_ids_BT (training): packed documents; a token attends only within its own segment,
         and positions_BT (RoPE) restart at each document, so order_BT gives each token's index in
@@ -202,17 +204,24 @@ class Attention(nnx.Module):
             )
             new_kv = None
         else:
-            k_BSKH, v_BSKH, positions_BS, index = kv
-            k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index, axis=1)
-            v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index, axis=1)
+            k_BKSH, v_BKSH, positions_BS, index = kv
+            k_BKSH = jax.lax.dynamic_update_slice_in_dim(
+                k_BKSH, k_BTKH.swapaxes(1, 2).astype(k_BKSH.dtype), index, 2
+            )
+            v_BKSH = jax.lax.dynamic_update_slice_in_dim(
+                v_BKSH, v_BTKH.swapaxes(1, 2).astype(v_BKSH.dtype), index, 2
+            )
+            # The updated caches made once, in place: else XLA fuses the cheap update into the
+            # attention's read as well and copies the whole cache for the second one.
+            k_BKSH, v_BKSH = jax.lax.optimization_barrier((k_BKSH, v_BKSH))
             out_BTNH = attention.xla_attention(
                 q_BTNH,
-                k_BSKH.astype(dt),
-                v_BSKH.astype(dt),
+                k_BKSH.swapaxes(1, 2).astype(dt),  # (B, S, K, H) views: XLA folds the transposes
+                v_BKSH.swapaxes(1, 2).astype(dt),
                 q_positions_BT=positions_BT,
                 k_positions_BS=positions_BS,
             )
-            new_kv = (k_BSKH, v_BSKH)
+            new_kv = (k_BKSH, v_BKSH)
         return project(out_BTNH, self.wo_NHD[...], n_in=2), new_kv  # BTNH,NHD->BTD
 
 
@@ -308,10 +317,10 @@ class Decoder(nnx.Module):
         if has_moe:
             graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
             stack_axes["moe"] = _logical_axes(xs["moe"], lambda axes: axes)
-        kv_LG = None  # the caches as (groups, per_group, B, S, K, H), the scan's carry
+        kv_LG = None  # the caches as (groups, per_group, B, K, S, H), the scan's carry
         # A cache given as one array per layer (KVCache.per_layer) is kept so: the layers run as
         # a Python loop (a fully unrolled scan) and each layer writes its own array in place.
-        per_layer = cache is not None and isinstance(cache.k_LBSKH, tuple)
+        per_layer = cache is not None and isinstance(cache.k_LBKSH, tuple)
         if cache is not None:
             positions_BS = jax.lax.dynamic_update_slice_in_dim(
                 cache.positions_BS, positions_BT, cache.index, axis=1
@@ -320,9 +329,9 @@ class Decoder(nnx.Module):
             # scan's inputs and outputs every token would copy them whole and zero the outputs
             # first (decoding `small` at batch 16: docs/performance.md, issue 19).
             kv_LG = (
-                (cache.k_LBSKH, cache.v_LBSKH)
+                (cache.k_LBKSH, cache.v_LBKSH)
                 if per_layer
-                else tuple(c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBSKH, cache.v_LBSKH))
+                else tuple(c.reshape(groups, per_group, *c.shape[1:]) for c in (cache.k_LBKSH, cache.v_LBKSH))
             )
             xs["group"] = np.arange(groups) if per_layer else jnp.arange(groups)
 
@@ -343,10 +352,10 @@ class Decoder(nnx.Module):
                     kv = (kv_LG[0][layer], kv_LG[1][layer], positions_BS, cache.index)
                 elif kv_LG is not None:
                     start = (xs["group"], i, 0, 0, 0, 0)
-                    k_BSKH, v_BSKH = (
+                    k_BKSH, v_BKSH = (
                         jax.lax.dynamic_slice(c, start, (1, 1, *c.shape[2:]))[0, 0] for c in kv_LG
                     )
-                    kv = (k_BSKH, v_BSKH, positions_BS, cache.index)
+                    kv = (k_BKSH, v_BKSH, positions_BS, cache.index)
                 x_BTD, layer_kv, layer_stats = block(x_BTD, positions_BT, kv, segment_ids_BT, order_BT)
                 x_BTD = constrain(x_BTD, RESIDUAL_AXES)
                 stats = layer_stats if moe else stats
@@ -356,10 +365,10 @@ class Decoder(nnx.Module):
                     )
                 elif kv_LG is not None:
                     # Only the T new slots go back into the carry.
-                    T, at = x_BTD.shape[1], (xs["group"], i, 0, cache.index, 0, 0)
+                    T, at = x_BTD.shape[1], (xs["group"], i, 0, 0, cache.index, 0)
                     kv_LG = tuple(
                         jax.lax.dynamic_update_slice(
-                            c, jax.lax.dynamic_slice_in_dim(new, cache.index, T, axis=1)[None, None], at
+                            c, jax.lax.dynamic_slice_in_dim(new, cache.index, T, axis=2)[None, None], at
                         )
                         for c, new in zip(kv_LG, layer_kv, strict=True)
                     )
@@ -400,13 +409,13 @@ class Decoder(nnx.Module):
         else:
             (x_BTD, kv_LG), stats = run_groups(x_BTD, kv_LG, xs, side)
         if per_layer:
-            k_LBSKH, v_LBSKH = (tuple(constrain(c, KV_CACHE_AXES[1:]) for c in cs) for cs in kv_LG)
-            cache = KVCache(k_LBSKH, v_LBSKH, positions_BS, cache.index + tokens_BT.shape[1])
+            k_LBKSH, v_LBKSH = (tuple(constrain(c, KV_CACHE_AXES[1:]) for c in cs) for cs in kv_LG)
+            cache = KVCache(k_LBKSH, v_LBKSH, positions_BS, cache.index + tokens_BT.shape[1])
         elif cache is not None:
-            k_LBSKH, v_LBSKH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_LG)
+            k_LBKSH, v_LBKSH = (c.reshape(cfg.n_layers, *c.shape[2:]) for c in kv_LG)
             cache = KVCache(
-                constrain(k_LBSKH, KV_CACHE_AXES),
-                constrain(v_LBSKH, KV_CACHE_AXES),
+                constrain(k_LBKSH, KV_CACHE_AXES),
+                constrain(v_LBKSH, KV_CACHE_AXES),
                 positions_BS,
                 cache.index + tokens_BT.shape[1],
             )

@@ -50,7 +50,7 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(cfg, per_layer):
         logits, cache = model(tokens[:, t : t + 1], positions_BT=jnp.full((3, 1), t), cache=cache)
         pieces.append(logits)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, rtol=1e-5, atol=1e-5)
-    assert isinstance(cache.k_LBSKH, tuple) == per_layer
+    assert isinstance(cache.k_LBKSH, tuple) == per_layer
 
 
 @pytest.mark.parametrize("config,dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("tiny-moe", "float32")])
@@ -94,7 +94,7 @@ def test_decoding_on_cpu_copies_no_layer_weights(devices, config, dtype):
     # (XLA:CPU itself widens a bfloat16 matrix-vector product's operands to float32: those
     # float32 converts are its own and stay.)
     element = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-    layer_cache = cache.k_LBSKH[0].shape
+    layer_cache = cache.k_LBKSH[0].shape
     cache_dims = {layer_cache, (n_layers, *layer_cache)}
     made, cache_made = [], []
     for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(", hlo):
