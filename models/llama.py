@@ -44,21 +44,23 @@ KV_CACHE_AXES = ("layers", "batch", "act_kv_heads", "seq", "head_dim")
 
 class KVCache(NamedTuple):
     """Keys and values of every layer for S slots, and the position of the token in each slot
-    (-1: empty or padding). Decoding writes T new slots at `index`."""
+    (-1: empty or padding). Decoding writes T new slots at `index`. The keys and values are one
+    stacked array each, or a tuple of one (B, K, S, H) array per layer (`empty(per_layer=True)`)."""
 
-    k_LBKSH: jax.Array
-    v_LBKSH: jax.Array
+    k_LBKSH: jax.Array | tuple[jax.Array, ...]
+    v_LBKSH: jax.Array | tuple[jax.Array, ...]
     positions_BS: jax.Array
     index: jax.Array  # scalar int32: the next slot to write
 
     @classmethod
     def empty(cls, cfg: "ModelConfig", batch: int, slots: int, per_layer: bool = False) -> "KVCache":
-        """per_layer: keys and values as a tuple of (B, K, S, H) arrays, one per layer (what
-        XLA:CPU decodes fastest: a layer's slice of a stacked cache is a copy there)."""
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)
-        zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        """per_layer: what XLA:CPU decodes fastest (a layer's slice of a stacked cache is a copy
+        there, a layer's own array is updated in place)."""
+        layer, dtype = (batch, cfg.n_kv_heads, slots, cfg.head_dim), jnp.dtype(cfg.dtype)
         if per_layer:
-            zeros = tuple(jnp.zeros(shape[1:], jnp.dtype(cfg.dtype)) for _ in range(cfg.n_layers))
+            zeros = tuple(jnp.zeros(layer, dtype) for _ in range(cfg.n_layers))
+        else:
+            zeros = jnp.zeros((cfg.n_layers, *layer), dtype)
         return cls(zeros, zeros, jnp.full((batch, slots), -1, jnp.int32), jnp.zeros((), jnp.int32))
 
 
@@ -318,8 +320,8 @@ class Decoder(nnx.Module):
             graphdefs["moe"], xs["moe"] = nnx.split(self.moe_layers)
             stack_axes["moe"] = _logical_axes(xs["moe"], lambda axes: axes)
         kv_LG = None  # the caches as (groups, per_group, B, K, S, H), the scan's carry
-        # A cache given as one array per layer (KVCache.per_layer) is kept so: the layers run as
-        # a Python loop (a fully unrolled scan) and each layer writes its own array in place.
+        # A cache given as one array per layer (KVCache.empty(per_layer=True)) is kept so: the
+        # layers run as a Python loop (a fully unrolled scan), each writing its own array in place.
         per_layer = cache is not None and isinstance(cache.k_LBKSH, tuple)
         if cache is not None:
             positions_BS = jax.lax.dynamic_update_slice_in_dim(
