@@ -118,12 +118,12 @@ class Sampler:
         plan = loaded.plan
         self.cache_sharding = plan.rules.sharding(plan.mesh, KV_CACHE_AXES)
         graphdef = plan.graphdef
-        # On CPU the decode plan unrolls the layers (spmd.setup), and each layer's weights and
-        # caches are arrays of their own: XLA:CPU copies a slice of a stacked array, which was
-        # every layer's weights and caches for every token (12 MiB of weights per token for
-        # `small` in fp32), while a stack built in the program from its layers folds into them
-        # and a layer's own cache is written in place. The weights are split here once, a second
-        # copy (in the compute dtype) while the caller keeps `loaded.params`.
+        # On CPU each layer's weights and caches are arrays of their own, and given per-layer
+        # caches the model runs its layers as a Python loop: XLA:CPU copies a slice of a stacked
+        # array, which was every layer's weights and caches for every token (12 MiB of weights
+        # per token for `small` in fp32), while a stack built in the program from its layers
+        # folds into them and a layer's own cache is written in place. The weights are split
+        # here once, a second copy (in the compute dtype) while the caller keeps `loaded.params`.
         self.per_layer = platform_of(plan.mesh) == "cpu"
         self.params = decoding_params(loaded.params, plan, split=self.per_layer)
 
@@ -146,7 +146,7 @@ class Sampler:
     def empty_cache(self, batch: int, slots: int) -> KVCache:
         kv = self.cache_sharding
         if self.per_layer:
-            kv = (NamedSharding(kv.mesh, PartitionSpec(*kv.spec[1:])),) * self.cfg.n_layers
+            kv = (one_layer(kv),) * self.cfg.n_layers
         shardings = KVCache(
             kv,
             kv,
@@ -218,10 +218,15 @@ def decoding_params(params: dict, plan, split: bool) -> dict:
     def placed(path, s):
         if not (split and path_str(path) in plan.layered):
             return s
-        return (NamedSharding(s.mesh, PartitionSpec(*s.spec[1:])),) * plan.layered[path_str(path)]
+        return (one_layer(s),) * plan.layered[path_str(path)]
 
     shardings = jax.tree_util.tree_map_with_path(placed, plan.param_shardings)
     return jax.jit(lambda p: jax.tree_util.tree_map_with_path(made, p), out_shardings=shardings)(params)
+
+
+def one_layer(stacked: NamedSharding) -> NamedSharding:
+    """The sharding of one layer of a stack placed as `stacked` (its leading axis dropped)."""
+    return NamedSharding(stacked.mesh, PartitionSpec(*stacked.spec[1:]))
 
 
 def stack_layers(params: dict) -> dict:

@@ -115,12 +115,6 @@ def assemble(
             model_cfg = dataclasses.replace(cfg.model, attention_impl=impl)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if decoding and platform == "cpu":
-        # Decoding on CPU unrolls the layers, and `spmd.inference.Sampler` feeds each layer's
-        # weights as arrays of their own: XLA:CPU copies a slice of a stacked array (scanned or
-        # unrolled, every layer's weights were copied for every token), while a stack built in the
-        # program from its layers folds away (docs/performance.md, issue 19).
-        model_cfg = dataclasses.replace(model_cfg, scan_unroll=model_cfg.n_layers)
     memory.check(cfg, device_mesh)
     resolved = (load_rules(rules) if isinstance(rules, str) else rules).with_attention(cfg.attention)
     if decoding:
