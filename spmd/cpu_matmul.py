@@ -20,6 +20,8 @@ import warnings
 
 import jax
 
+from spmd import hlo as hlo_lib
+
 # XLA cannot serialise a program with oneDNN thunks yet ("ToProto is not implemented for thunk
 # kind: onednn-fusion"): where JAX's persistent compilation cache is on it warns at each such
 # program and keeps it in memory only; the program compiles and runs as usual. One message per
@@ -70,9 +72,88 @@ def keep(program):
     return program
 
 
+# XLA:CPU (jax 0.12) fuses an f32 dot's elementwise consumers (add, multiply, subtract, exp) into
+# its oneDNN fusion and computes some such fusions wrong, silently: measured (docs/performance.md,
+# "Ninth pass"; tests/test_cpu_matmul.py pins it) a dot times a broadcast operand is right while
+# the dot sums over at most 512 elements and off by O(100)x beyond (768, 1024, 2048), and two fused
+# operations were wrong at any size (a dot times one array plus another: O(1) off at 64 summed
+# elements). A lone added operand was right at every size tried (to 2048). The chunked attention
+# kernel hit both (its key gradients 100x off once a kv head's G x T queries passed 512, and its
+# rewrite's output wrong at any length until its dots were kept apart). So a oneDNN program is checked
+# after compiling: every oneDNN fusion must be a dot alone, a dot and an add, or a dot and one
+# other operation summing over at most SAFE_POSTOP_CONTRACTION elements; a program with any other
+# is compiled again without oneDNN (XLA's own libraries), with a warning naming the fusion.
+SAFE_POSTOP_CONTRACTION = 512
+ONEDNN_FUSION_KIND = "__onednn_fusion"
+
+
+def unsafe_onednn_fusions(hlo_text: str) -> list[str]:
+    """The oneDNN fusions of an optimised module outside the forms above, as "name: ops"."""
+    bad = []
+    for name, body in hlo_lib.library_fusions(hlo_text, ONEDNN_FUSION_KIND).items():
+        ops = [op for _, op, _, _ in body if op != "parameter"]
+        dots = [ins for ins in body if ins[1] == "dot"]
+        post = [op for op in ops if op != "dot"]
+        if len(dots) == 1 and (
+            post in ([], ["add"])
+            or (len(post) == 1 and hlo_lib.dot_contracted_size(body, dots[0]) <= SAFE_POSTOP_CONTRACTION)
+        ):
+            continue
+        bad.append(f"{name}: {' + '.join(ops)}")
+    return bad
+
+
+_SIGNATURE = ("shape", "dtype", "weak_type", "sharding")  # what picks a compiled program for an argument
+
+
+class CheckedJit:
+    """`jax.jit(fun, compiler_options=<oneDNN>)` whose programs are checked as they compile (per
+    input signature, whether called or lowered and compiled): a program with unsafe oneDNN fusions
+    (unsafe_onednn_fusions) is replaced by `fun` compiled without oneDNN. Kept programs: see keep."""
+
+    def __init__(self, fun, options: dict, jit_kwargs: dict):
+        self._onednn = jax.jit(fun, compiler_options=options, **jit_kwargs)
+        self._plain = jax.jit(fun, **jit_kwargs)
+        self._programs = {}
+
+    def lower(self, *args, **kwargs):
+        return _CheckedLowered(self, self._onednn.lower(*args, **kwargs), args, kwargs)
+
+    def __call__(self, *args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        key = (tree, *((type(x), *(getattr(x, a, None) for a in _SIGNATURE)) for x in leaves))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self.lower(*args, **kwargs).compile()
+        return program(*args, **kwargs)
+
+    def _checked(self, compiled, args, kwargs):
+        bad = unsafe_onednn_fusions(compiled.as_text())
+        if not bad:
+            return compiled
+        warnings.warn(
+            f"oneDNN fusions XLA computes wrong in {len(bad)} place(s) ({bad[0]}, ...): this program "
+            "runs with XLA's own matmul libraries instead (spmd/cpu_matmul.py, SAFE_POSTOP_CONTRACTION)",
+            stacklevel=3,
+        )
+        return self._plain.lower(*args, **kwargs).compile()
+
+
+class _CheckedLowered:
+    """A lowered CheckedJit program: compile() checks (CheckedJit); the rest is jax's Lowered."""
+
+    def __init__(self, owner: CheckedJit, lowered, args, kwargs):
+        self._owner, self._lowered, self._args, self._kwargs = owner, lowered, args, kwargs
+
+    def compile(self, *a, **kw):
+        return self._owner._checked(self._lowered.compile(*a, **kw), self._args, self._kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+
 def jit(fun, setting: str, platform: str, attention_impl: str = "xla", **jit_kwargs):
     """`jax.jit(fun, **jit_kwargs)` with the matmul library of `train.cpu_matmul=setting`
-    (compiler_options); a oneDNN program is kept (keep)."""
+    (compiler_options); a oneDNN program is a CheckedJit, and kept (keep)."""
     options = compiler_options(setting, platform, attention_impl)
-    program = jax.jit(fun, compiler_options=options, **jit_kwargs)
-    return keep(program) if options else program
+    return keep(CheckedJit(fun, options, jit_kwargs)) if options else jax.jit(fun, **jit_kwargs)

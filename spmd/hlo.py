@@ -307,6 +307,34 @@ def summarize(items: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict
     return dict(table)
 
 
+def library_fusions(text: str, kind: str) -> dict[str, list[tuple[str, str, str, str]]]:
+    """The fused computations of an optimised module's library fusions of `kind` (XLA:CPU's
+    backend_config kind, e.g. "__onednn_fusion"): {fusion instruction: [(name, opcode, result
+    shape, operands and attributes) for each instruction of its computation, parameters too]}."""
+    comps, _ = _computations(text)
+    out = {}
+    for lines in comps.values():
+        for line in lines:
+            m = _INSTR.match(line)
+            if m and m.group(3) == "fusion" and f'"kind":"{kind}"' in line:
+                callee = re.search(r"calls=%([\w.\-]+)", line)
+                body = [_INSTR.match(b) for b in comps.get(callee.group(1), [])] if callee else []
+                out[m.group(1)] = [(b.group(1), b.group(3), b.group(2), b.group(4)) for b in body if b]
+    return out
+
+
+def dot_contracted_size(body: list[tuple[str, str, str, str]], dot: tuple[str, str, str, str]) -> int:
+    """How many elements `dot` (an instruction of `body`, as library_fusions lists them) sums over."""
+    shapes = {name: shape for name, _, shape, _ in body}
+    lhs = re.match(r"\s*%([\w.\-]+)", dot[3])
+    dims = _ARRAY.findall(shapes.get(lhs.group(1), "")) if lhs else []
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", dot[3])
+    if not (dims and contracting):
+        return 0
+    lhs_shape = [int(d) for d in dims[0][1].split(",") if d]
+    return math.prod(lhs_shape[int(i)] for i in contracting.group(1).split(",") if i)
+
+
 def matmul_flops(text: str) -> float | None:
     """FLOPs of every dot in the optimised module per step (per device): 2 x result elements x
     contracted size, weighted by the trip counts of the loops around it. Counts what the program

@@ -2,6 +2,7 @@
 
 import re
 import textwrap
+import warnings
 
 import jax
 import numpy as np
@@ -118,7 +119,10 @@ def test_pallas_programs_keep_xla_libraries_where_onednn_gets_the_flash_backward
         return flash_backward(q, k, v, None, out, lse, do, 0 * lse, True, H**-0.5, bs, True)
 
     dq, dk, dv = jax.jit(backward)(q, k, v, out, lse, do)
-    dq1, dk1, dv1 = cpu_matmul.jit(backward, "onednn", "cpu")(q, k, v, out, lse, do)
+    # XLA with oneDNN as such (cpu_matmul.jit would check the program and recompile it without)
+    dq1, dk1, dv1 = jax.jit(backward, compiler_options=cpu_matmul.compiler_options("onednn", "cpu"))(
+        q, k, v, out, lse, do
+    )
     np.testing.assert_allclose(dv1, dv, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(dq)).max() > 0.1 and np.abs(np.asarray(dk)).max() > 0.1
     assert not np.asarray(dq1).any() and not np.asarray(dk1).any(), (
@@ -175,3 +179,68 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
             np.asarray(r, np.float32)
         )
         assert err <= bound, f"{jax.tree_util.keystr(path)}: {err}"
+
+
+def _dot_then(op, K):
+    """A batched f32 dot summing over K elements, then `op` of its result in the same program."""
+    rng = np.random.default_rng()
+    a, b = (jax.numpy.asarray(rng.normal(size=s), np.float32) for s in ((4, 128, K), (4, K, 96)))
+    c, r = (jax.numpy.asarray(rng.normal(size=s), np.float32) for s in ((4, 128, 96), (4, 128)))
+    ops = {
+        "scale": lambda y: y * 0.25,
+        "row scale": lambda y: y * r[..., None],
+        "row scale, then add": lambda y: y * r[..., None] + c,
+        "add": lambda y: y + jax.numpy.exp(c),
+    }
+    return (lambda a, b: ops[op](jax.numpy.einsum("bij,bjk->bik", a, b))), (a, b)
+
+
+@pytest.mark.parametrize(
+    "op,K,xla_wrong",
+    [
+        ("scale", 1024, True),
+        ("row scale", 768, True),
+        ("row scale", 512, False),
+        ("row scale, then add", 64, True),
+        ("add", 1024, False),
+    ],
+)
+def test_programs_with_onednn_fusions_xla_gets_wrong_run_without_them(op, K, xla_wrong):
+    """XLA (jax 0.12) fuses a dot's elementwise consumers into its oneDNN fusion and gets some
+    wrong (spmd/cpu_matmul.py, SAFE_POSTOP_CONTRACTION): the raw program's error is pinned here, so
+    that a fixed XLA shows; cpu_matmul.jit finds those fusions, warns and runs the program with
+    XLA's own libraries (right answer), and keeps oneDNN where the fusion is right."""
+    from spmd import cpu_matmul
+
+    f, args = _dot_then(op, K)
+    truth = np.asarray(jax.jit(f)(*args))
+    raw = jax.jit(f, compiler_options=cpu_matmul.compiler_options("onednn", "cpu")).lower(*args).compile()
+    raw_err = np.abs(np.asarray(raw(*args)) - truth).max() / np.abs(truth).max()
+    assert (raw_err > 0.5) == xla_wrong, f"XLA+oneDNN error {raw_err}: see the docstring"
+    assert bool(cpu_matmul.unsafe_onednn_fusions(raw.as_text())) == xla_wrong
+    checked = cpu_matmul.jit(f, "onednn", "cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = checked(*args)
+        compiled = checked.lower(*args).compile()
+    assert np.abs(np.asarray(out) - truth).max() / np.abs(truth).max() < 1e-5
+    assert any("computes wrong" in str(w.message) for w in caught) == xla_wrong
+    assert ("__onednn_fusion" in compiled.as_text()) != xla_wrong
+
+
+def test_chunked_attention_compiles_to_plain_onednn_dots():
+    """The chunked kernel keeps its dots free of fused elementwise work (kernels/chunked_attention.py,
+    _dot), so a oneDNN step with it keeps oneDNN: forward and backward over 4 tiles."""
+    from kernels.chunked_attention import chunked_attention
+    from spmd import cpu_matmul
+
+    q = jax.numpy.ones((1, 1024, 4, 32))
+    k = v = jax.numpy.ones((1, 1024, 2, 32))
+
+    def fwd_bwd(q, k, v):
+        o, vjp = jax.vjp(lambda q, k, v: chunked_attention(q, k, v, causal=True), q, k, v)
+        return vjp(o)
+
+    text = cpu_matmul.jit(fwd_bwd, "onednn", "cpu", "chunked").lower(q, k, v).compile().as_text()
+    assert text.count("__onednn_fusion") >= 6
+    assert cpu_matmul.unsafe_onednn_fusions(text) == []
