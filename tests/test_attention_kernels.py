@@ -2,6 +2,7 @@
 the reference: forward and gradients, causal or not, GQA 1/2/4, packed sequences, lengths off the
 block grid, fp32 and bf16."""
 
+import functools
 import itertools
 import re
 
@@ -81,6 +82,28 @@ def check(impl, causal, groups, with_segments, T, dtype):
 )
 def test_fp32_matches_reference(impl, causal, groups, segments, T):
     check(impl, causal, groups, segments, T, jnp.float32)
+
+
+@pytest.mark.parametrize("T,chunk", [(64, 64), (130, 64), (1024, 128)])
+@pytest.mark.parametrize("causal,segments", [(True, False), (False, True)])
+def test_chunked_compiled_with_onednn_matches_reference(T, chunk, causal, segments):
+    """As the CPU train step compiles it (train.cpu_matmul=onednn): one tile, a partial last tile,
+    and 8 x 8 tiles, where the kernel before this one got the key gradients 100x off (a dot over
+    all 1,024 queries times the scale, fused into oneDNN: spmd/cpu_matmul.py)."""
+    rng = np.random.default_rng()
+    q, k, v, seg = inputs(rng, T, 2, jnp.float32, segments, B=1, H=32)
+    w_o = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def grads(fn, jit):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v, causal=causal, segment_ids_BT=seg)[0] * w_o)  # noqa: E731
+        return jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    ours = functools.partial(chunked_attention_with_lse, chunk=chunk)
+    raw_onednn = functools.partial(jax.jit, compiler_options=cpu_matmul.compiler_options("onednn", "cpu"))
+    (value, got), (ref_value, ref) = grads(ours, raw_onednn), grads(attention_reference, jax.jit)
+    assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value)) + 1e-3
+    for name, g, r in zip("qkv", got, ref):
+        assert rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
 
 
 @pytest.mark.parametrize("impl", ["chunked", "flash"])
