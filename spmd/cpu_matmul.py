@@ -72,17 +72,18 @@ def keep(program):
     return program
 
 
-# XLA:CPU (jax 0.12) fuses an f32 dot's elementwise consumers (add, multiply, subtract, exp) into
-# its oneDNN fusion and computes some such fusions wrong, silently: measured (docs/performance.md,
-# "Ninth pass"; tests/test_cpu_matmul.py pins it) a dot times a broadcast operand is right while
-# the dot sums over at most 512 elements and off by O(100)x beyond (768, 1024, 2048), and two fused
-# operations were wrong at any size (a dot times one array plus another: O(1) off at 64 summed
-# elements). A lone added operand was right at every size tried (to 2048). The chunked attention
-# kernel hit both (its key gradients 100x off once a kv head's G x T queries passed 512, and its
-# rewrite's output wrong at any length until its dots were kept apart). So a oneDNN program is checked
-# after compiling: every oneDNN fusion must be a dot alone, a dot and an add, or a dot and one
-# other operation summing over at most SAFE_POSTOP_CONTRACTION elements; a program with any other
-# is compiled again without oneDNN (XLA's own libraries), with a warning naming the fusion.
+# XLA:CPU (jax 0.12) fuses an f32 dot's elementwise consumers (add, multiply, subtract, exp, tanh)
+# into its oneDNN fusion and computes some such fusions wrong, silently. Measured (docs/performance.md,
+# "Ninth pass"; tests/test_cpu_matmul.py pins it): a dot times a broadcast operand is right while
+# the dot sums over at most 512 elements and O(100)x off beyond (768 to 2048); a dot minus an
+# array is wrong at any size, and so were two operations after one dot (two adds, or a multiply and
+# an add: O(1) off at 32 to 2048 summed elements, in some programs and not others); a lone add was
+# right at every size tried (32 to 2048). The chunked attention kernel hit this (its key gradients
+# 100x off once a kv head's G x T queries passed 512). So a oneDNN program is checked after
+# compiling: every oneDNN fusion must be a dot alone, a dot and one add, or a dot and one multiply
+# summing over at most SAFE_POSTOP_CONTRACTION elements; a program with any other is compiled again
+# without oneDNN (XLA's own libraries), with a warning naming the fusion. Our attention kernels keep
+# their dots apart (kernels/chunked_attention.py, plain_dot) and keep oneDNN.
 SAFE_POSTOP_CONTRACTION = 512
 ONEDNN_FUSION_KIND = "__onednn_fusion"
 
@@ -96,7 +97,9 @@ def unsafe_onednn_fusions(hlo_text: str) -> list[str]:
         post = [op for op in ops if op != "dot"]
         if len(dots) == 1 and (
             post in ([], ["add"])
-            or (len(post) == 1 and hlo_lib.dot_contracted_size(body, dots[0]) <= SAFE_POSTOP_CONTRACTION)
+            or (
+                post == ["multiply"] and hlo_lib.dot_contracted_size(body, dots[0]) <= SAFE_POSTOP_CONTRACTION
+            )
         ):
             continue
         bad.append(f"{name}: {' + '.join(ops)}")
@@ -115,6 +118,7 @@ class CheckedJit:
         self._onednn = jax.jit(fun, compiler_options=options, **jit_kwargs)
         self._plain = jax.jit(fun, **jit_kwargs)
         self._programs = {}
+        self.fallbacks: list[str] = []  # the unsafe fusions of each program compiled without oneDNN
 
     def lower(self, *args, **kwargs):
         return _CheckedLowered(self, self._onednn.lower(*args, **kwargs), args, kwargs)
@@ -131,6 +135,7 @@ class CheckedJit:
         bad = unsafe_onednn_fusions(compiled.as_text())
         if not bad:
             return compiled
+        self.fallbacks += bad
         warnings.warn(
             f"oneDNN fusions XLA computes wrong in {len(bad)} place(s) ({bad[0]}, ...): this program "
             "runs with XLA's own matmul libraries instead (spmd/cpu_matmul.py, SAFE_POSTOP_CONTRACTION)",
