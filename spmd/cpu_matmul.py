@@ -98,7 +98,9 @@ def unsafe_onednn_fusions(hlo_text: str) -> list[str]:
         if len(dots) == 1 and (
             post in ([], ["add"])
             or (
-                post == ["multiply"] and hlo_lib.dot_contracted_size(body, dots[0]) <= SAFE_POSTOP_CONTRACTION
+                post == ["multiply"]
+                and (hlo_lib.dot_contracted_size(body, dots[0]) or SAFE_POSTOP_CONTRACTION + 1)
+                <= SAFE_POSTOP_CONTRACTION  # unreadable: unsafe
             )
         ):
             continue
