@@ -59,7 +59,11 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", args.devices)
     from spmd import cpu_matmul
     from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.setup import assemble, before_jax_starts
+
+    # train.host_heap as spmd-train sets it (after jax_platforms, which it reads): without it
+    # every window faults the steps' temporaries in again and the variants' ratios shrink.
+    before_jax_starts(args.config, args.set)
 
     runs = []
     for text in args.variant:
