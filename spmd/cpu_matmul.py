@@ -117,7 +117,10 @@ class CheckedJit:
     (unsafe_onednn_fusions) is replaced by `fun` compiled without oneDNN. Kept programs: see keep."""
 
     def __init__(self, fun, options: dict, jit_kwargs: dict):
-        self._onednn = jax.jit(fun, compiler_options=options, **jit_kwargs)
+        # jit_kwargs' own compiler_options (if any) go to both programs, oneDNN's to the first only
+        rest = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
+        base = jit_kwargs.get("compiler_options") or {}
+        self._onednn = jax.jit(fun, compiler_options=base | options, **rest)
         self._plain = jax.jit(fun, **jit_kwargs)
         self._programs = {}
         self.fallbacks: list[str] = []  # the unsafe fusions of each program compiled without oneDNN
