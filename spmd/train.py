@@ -253,8 +253,8 @@ def train_step_compiler_options(mesh) -> dict | None:
     """XLA options for the train step. On CPU, copy insertion with region analysis: without it
     XLA:CPU copies every AdamW moment before updating it in place in the donated state (the
     parameter's update reads the old moment; 27 copies of 29 in `small`'s step), with it those
-    copies go and the step is otherwise the same program (bit-identical states: tests/test_data_and_training.py).
-    Measured (docs/performance.md, "Tenth pass"): `small` fp32 / bf16 1.022x / 1.052x, d 512 x 8
+    copies go and the step is otherwise the same program (bit-identical states, a test in
+    tests/test_data_and_training.py). Measured (docs/performance.md, "Tenth pass"): `small` fp32 / bf16 1.022x / 1.052x, d 512 x 8
     layers x T 512 fp32 / bf16 1.027x / 1.074x. Other platforms compile as before."""
     return {"xla_cpu_copy_insertion_use_region_analysis": True} if platform_of(mesh) == "cpu" else None
 
