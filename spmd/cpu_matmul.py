@@ -167,3 +167,9 @@ def jit(fun, setting: str, platform: str, attention_impl: str = "xla", **jit_kwa
     (compiler_options); a oneDNN program is a CheckedJit, and kept (keep)."""
     options = compiler_options(setting, platform, attention_impl)
     return keep(CheckedJit(fun, options, jit_kwargs)) if options else jax.jit(fun, **jit_kwargs)
+
+
+def raw_onednn_jit(fun):
+    """`jax.jit(fun)` with oneDNN's options on CPU and no check (what XLA computes as such: the
+    tests that pin its wrong fusions), kept alive like every oneDNN program (keep)."""
+    return keep(jax.jit(fun, compiler_options=compiler_options("onednn", "cpu")))

@@ -99,12 +99,10 @@ def test_chunked_compiled_with_onednn_matches_reference(T, chunk, causal, segmen
         return jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     ours = functools.partial(chunked_attention_with_lse, chunk=chunk)
-
-    def raw_onednn(f):  # kept alive, as cpu_matmul.jit keeps its programs: XLA can abort when a
-        # oneDNN program is freed (spmd/cpu_matmul.py, KEPT_PROGRAMS)
-        return cpu_matmul.keep(jax.jit(f, compiler_options=cpu_matmul.compiler_options("onednn", "cpu")))
-
-    (value, got), (ref_value, ref) = grads(ours, raw_onednn), grads(attention_reference, jax.jit)
+    (value, got), (ref_value, ref) = (
+        grads(ours, cpu_matmul.raw_onednn_jit),
+        grads(attention_reference, jax.jit),
+    )
     assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value)) + 1e-3
     for name, g, r in zip("qkv", got, ref):
         assert rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"

@@ -125,9 +125,7 @@ def test_pallas_programs_keep_xla_libraries_where_onednn_gets_the_flash_backward
 
     dq, dk, dv = jax.jit(backward)(q, k, v, out, lse, do)
     # XLA with oneDNN as such (cpu_matmul.jit would check the program and recompile it without)
-    # kept alive, as cpu_matmul.jit keeps its programs: XLA can abort when a oneDNN program is freed
-    raw = cpu_matmul.keep(jax.jit(backward, compiler_options=cpu_matmul.compiler_options("onednn", "cpu")))
-    dq1, dk1, dv1 = raw(q, k, v, out, lse, do)
+    dq1, dk1, dv1 = cpu_matmul.raw_onednn_jit(backward)(q, k, v, out, lse, do)
     np.testing.assert_allclose(dv1, dv, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(dq)).max() > 0.1 and np.abs(np.asarray(dk)).max() > 0.1
     assert not np.asarray(dq1).any() and not np.asarray(dk1).any(), (
@@ -223,9 +221,9 @@ def test_programs_with_onednn_fusions_xla_gets_wrong_run_without_them(op, K, xla
 
     f, args = _dot_then(op, K)
     truth = np.asarray(jax.jit(f)(*args))
-    raw = cpu_matmul.keep(  # kept alive, as cpu_matmul.jit keeps its programs (XLA can abort otherwise)
-        jax.jit(f, compiler_options=cpu_matmul.compiler_options("onednn", "cpu")).lower(*args).compile()
-    )
+    raw = cpu_matmul.keep(
+        cpu_matmul.raw_onednn_jit(f).lower(*args).compile()
+    )  # a program of its own: kept too
     raw_err = np.abs(np.asarray(raw(*args)) - truth).max() / np.abs(truth).max()
     assert (raw_err > 0.5) == xla_wrong, f"XLA+oneDNN error {raw_err}: see the docstring"
     assert bool(cpu_matmul.unsafe_onednn_fusions(raw.as_text())) == xla_wrong
