@@ -154,12 +154,19 @@ def _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     """softmax(q k^T * scale, masked) v with one batch axis b; returns (out, probs)."""
     # The scale goes on q (Q x H), not on the (Q x S) logits: XLA:CPU fused the logits' multiply
     # into the dot's oneDNN fusion as a post-op reading a broadcast of the scalar materialised at
-    # the logits' size. Measured (docs/performance.md, issue 19, eleventh pass): train step `small`
-    # fp32 1.024x, bf16 1.019x, d 512 / 8 layers / T 512 fp32 1.013x. Exact where the scale is a
-    # power of two (head dim 64, 256); otherwise one rounding of q in the compute dtype, as
-    # MaxText's and PyTorch's math attention scale q (or q and k) before the dot.
-    q_bQH = q_bQH * jnp.asarray(scale, q_bQH.dtype)
-    logits_bQS = jnp.einsum("bQH,bSH->bQS", q_bQH, k_bSH, preferred_element_type=jnp.float32)
+    # the logits' size. Exact where the scale is a power of two (head dim 64, 256); otherwise one
+    # rounding of q in the compute dtype, as MaxText's and PyTorch's math attention scale q (or q
+    # and k) before the dot. Measured: docs/performance.md, issue 19, eleventh pass.
+    return _scaled_attention(_scaled(q_bQH, scale), k_bSH, v_bSH, mask_bQS)
+
+
+def _scaled(x, scale):
+    return x * jnp.asarray(scale, x.dtype)
+
+
+def _scaled_attention(qs_bQH, k_bSH, v_bSH, mask_bQS):
+    """softmax(qs k^T, masked) v, qs the scaled queries; returns (out, probs)."""
+    logits_bQS = jnp.einsum("bQH,bSH->bQS", qs_bQH, k_bSH, preferred_element_type=jnp.float32)
     if mask_bQS is not None:
         logits_bQS = jnp.where(mask_bQS, logits_bQS, jnp.finfo(jnp.float32).min)
     probs_bQS = jax.nn.softmax(logits_bQS, axis=-1).astype(v_bSH.dtype)
@@ -169,8 +176,9 @@ def _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     """_softmax_attention's output, with a backward written for XLA:CPU in as few passes over the
-    (Q, S) scores as the math needs: the saved probabilities p (compute dtype) give
-    dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(p * dp)) * scale, dq = ds k, dk = ds^T q.
+    (Q, S) scores as the math needs: with qs = q * scale and the saved probabilities p (compute
+    dtype), dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(p * dp)) (the logits' gradient),
+    dq = ds (k * scale), dk = ds^T qs. The scale stays off the (Q, S) arrays, as in the forward.
 
     Autodiff of the forward kept fp32 copies of the unnormalised exponentials and of the
     broadcast 1/rowsum for the softmax's backward and converted p back to fp32. Here ds is rounded
@@ -183,12 +191,13 @@ def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
 
 
 def _softmax_attention_fwd(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
-    out_bQH, probs_bQS = _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale)
-    return out_bQH, (q_bQH, k_bSH, v_bSH, probs_bQS)
+    qs_bQH = _scaled(q_bQH, scale)
+    out_bQH, probs_bQS = _scaled_attention(qs_bQH, k_bSH, v_bSH, mask_bQS)
+    return out_bQH, (qs_bQH, k_bSH, v_bSH, probs_bQS)
 
 
 def _softmax_attention_bwd(scale, res, dout_bQH):
-    q_bQH, k_bSH, v_bSH, probs_bQS = res
+    qs_bQH, k_bSH, v_bSH, probs_bQS = res
     dtype = v_bSH.dtype
     # dq, dk, dv leave their dots in the compute dtype (accumulated in fp32 inside the dot, rounded
     # once), as they are returned; oneDNN takes such dots as they are, where an fp32 output would
@@ -196,9 +205,9 @@ def _softmax_attention_bwd(scale, res, dout_bQH):
     dv_bSH = jnp.einsum("bQS,bQH->bSH", probs_bQS, dout_bQH)
     dp_bQS = jnp.einsum("bQH,bSH->bQS", dout_bQH, v_bSH, preferred_element_type=jnp.float32)
     p_bQS = probs_bQS.astype(jnp.float32)
-    ds_bQS = (p_bQS * (dp_bQS - jnp.sum(p_bQS * dp_bQS, axis=-1, keepdims=True)) * scale).astype(dtype)
-    dq_bQH = jnp.einsum("bQS,bSH->bQH", ds_bQS, k_bSH).astype(q_bQH.dtype)
-    dk_bSH = jnp.einsum("bQS,bQH->bSH", ds_bQS, q_bQH)
+    ds_bQS = (p_bQS * (dp_bQS - jnp.sum(p_bQS * dp_bQS, axis=-1, keepdims=True))).astype(dtype)
+    dq_bQH = jnp.einsum("bQS,bSH->bQH", ds_bQS, _scaled(k_bSH, scale)).astype(qs_bQH.dtype)
+    dk_bSH = jnp.einsum("bQS,bQH->bSH", ds_bQS, qs_bQH)
     return dq_bQH, dk_bSH, dv_bSH, None
 
 
