@@ -272,3 +272,29 @@ def test_chunked_train_step_memory_grows_linearly(devices):
 
     assert temp_bytes("chunked", 4096) / temp_bytes("chunked", 2048) < 2.2
     assert temp_bytes("xla", 4096) / temp_bytes("xla", 2048) > 3.5
+
+
+def test_cpu_attention_keeps_the_scale_off_the_score_arrays():
+    """The CPU path scales q before the logits' dot, and its backward keeps the scale off ds: with
+    the scale on the (b, Q, S) logits XLA:CPU materialised the scalar as a (b, Q, S) broadcast, read
+    by the dot's oneDNN fusion as a post-op (and again by ds), 2-6% of a train step (docs/
+    performance.md, issue 19, eleventh pass). No broadcast of the scores' shape in forward+backward."""
+    B, T, N, K, H = 2, 64, 4, 2, 32
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
+
+    def loss(q, k, v):
+        return jnp.sum(attention.xla_attention(q, k, v, causal=False, merge_batch_heads=True) ** 2)
+
+    fwd_bwd = cpu_matmul.raw_onednn_jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = fwd_bwd.lower(q, k, v).compile().as_text()
+    scores = f"f32[{B * K},{(N // K) * T},{T}]"
+    broadcasts = re.findall(r"= (\S+) fusion\([^)]*\), kind=\w+, calls=%?wrapped_broadcast", text)
+    broadcasts += re.findall(r"%?wrapped_broadcast[\w.]* = (\S+) ", text)
+    assert not [s for s in broadcasts if s.startswith(scores)], broadcasts
+    ref = jax.grad(
+        lambda q, k, v: jnp.sum(attention_reference(q, k, v, causal=False)[0] ** 2), argnums=(0, 1, 2)
+    )
+    for ours, theirs in zip(fwd_bwd(q, k, v), ref(q, k, v)):
+        assert rel_err(ours, theirs) < TOL[jnp.float32]
