@@ -295,10 +295,10 @@ def worker(spec: dict) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    if spec["kind"] == "train":
+    if spec["kind"] in ("train", "checkpoint"):  # both run inside spmd-train, which sets the heap
         from spmd.setup import before_jax_starts
 
-        before_jax_starts(spec["config"], spec["set"])  # as spmd-train does
+        before_jax_starts(spec.get("config", "small"), spec.get("set", []))  # as spmd-train does
     window = KINDS[spec["kind"]](spec)
     say({"ready": True, "jax": jax.__version__})
     for line in sys.stdin:
