@@ -298,7 +298,8 @@ def worker(spec: dict) -> None:
     if spec["kind"] in ("train", "checkpoint"):  # both run inside spmd-train, which sets the heap
         from spmd.setup import before_jax_starts
 
-        before_jax_starts(spec.get("config", "small"), spec.get("set", []))  # as spmd-train does
+        config, sets = (spec["config"], spec["set"]) if spec["kind"] == "train" else ("small", CKPT)
+        before_jax_starts(config, sets)  # as spmd-train does
     window = KINDS[spec["kind"]](spec)
     say({"ready": True, "jax": jax.__version__})
     for line in sys.stdin:
