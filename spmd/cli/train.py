@@ -355,7 +355,10 @@ def describe_run(
             else []
         ),
         *(
-            [f"host heap: freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"]
+            [
+                f"host heap: freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"
+                + (", in 2 MiB huge pages (train.host_huge_pages)" if hostmem.huge_pages() else "")
+            ]
             if hostmem.retained()
             else []
         ),
