@@ -52,9 +52,6 @@ class TrainConfig:
     # (each step's temporaries are not faulted in again; the process stays at its peak size),
     # "system" leaves glibc's malloc as it is, "auto" retains when JAX was told to use the CPU
     host_heap: str = "auto"
-    # With the heap retained: back it with 2 MiB transparent huge pages where the kernel gives them
-    # on request (THP "madvise"); fewer TLB misses, 1.05-1.08x faster CPU train steps
-    host_huge_pages: bool = True
     # Library for the matmuls of CPU train/eval steps (spmd/cpu_matmul.py): "onednn" (as PyTorch's
     # CPU backend; faster here) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)
     cpu_matmul: str = "onednn"

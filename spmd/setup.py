@@ -70,8 +70,7 @@ class Setup:
 
 
 def before_jax_starts(config: str | Config, overrides: Sequence[str] = ()) -> None:
-    """What a run sets up in the process before JAX starts: `train.host_heap` and
-    `train.host_huge_pages` (spmd/hostmem.py).
+    """What a run sets up in the process before JAX starts: `train.host_heap` (spmd/hostmem.py).
     Commands call it first; bad input is left for assemble to report."""
     try:
         cfg = (
@@ -79,7 +78,7 @@ def before_jax_starts(config: str | Config, overrides: Sequence[str] = ()) -> No
         )
     except UserError:
         return
-    hostmem.retain_before_start(cfg.train.host_heap, cfg.train.host_huge_pages)
+    hostmem.retain_before_start(cfg.train.host_heap)
 
 
 def assemble(

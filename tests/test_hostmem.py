@@ -92,38 +92,6 @@ def test_retained_heap_keeps_a_free_top_larger_than_2_gib():
     assert faults["again"] < 0.01 * faults["pages"], faults  # and the freed block was kept
 
 
-# A 64 MiB block from the retained heap, touched: how much of it the kernel backs with huge pages.
-HUGE_PROBE = textwrap.dedent(
-    """
-    import ctypes, ctypes.util, json
-    from spmd import hostmem
-
-    assert hostmem.retain_freed_memory(huge_pages={huge})
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
-    size = 64 * 2**20
-    block = libc.malloc(size)
-    ctypes.memset(block, 1, size)
-    with open("/proc/self/smaps_rollup") as f:
-        huge = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
-    print(json.dumps({{"advised": hostmem.huge_pages(), "huge_kib": huge}}))
-    """
-)
-
-
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or hostmem.thp_mode() != "madvise",
-    reason="transparent huge pages on request (THP mode madvise)",
-)
-def test_retained_heap_in_huge_pages():
-    """train.host_huge_pages: the retained heap is advised as huge-page memory, so a large block
-    from it is backed by 2 MiB pages; without the advice (THP `madvise`) none is."""
-    on, off = run_fresh(HUGE_PROBE.format(huge=True)), run_fresh(HUGE_PROBE.format(huge=False))
-    assert on["advised"] and not off["advised"]
-    assert on["huge_kib"] >= 60 * 1024, on  # all of the block but its unaligned ends
-    assert off["huge_kib"] == 0, off
-
-
 def test_host_heap_choices():
     assert hostmem.wanted("auto", on_cpu=True) and not hostmem.wanted("auto", on_cpu=False)
     assert hostmem.wanted("retain", on_cpu=False) and not hostmem.wanted("system", on_cpu=True)

@@ -355,10 +355,7 @@ def describe_run(
             else []
         ),
         *(
-            [
-                f"host heap: freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"
-                + (", in 2 MiB huge pages (train.host_huge_pages)" if hostmem.huge_pages() else "")
-            ]
+            [f"host heap: freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"]
             if hostmem.retained()
             else []
         ),
