@@ -63,7 +63,7 @@ def main() -> None:
 
     # train.host_heap as spmd-train sets it (after jax_platforms, which it reads): without it
     # every window faults the steps' temporaries in again and the variants' ratios shrink.
-    before_jax_starts(args.config, args.set)
+    before_jax_starts(args.config, args.set, may_relaunch=True)
 
     runs = []
     for text in args.variant:

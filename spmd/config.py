@@ -48,9 +48,11 @@ class TrainConfig:
     # buckets; XLA:CPU's gloo pays ~4 ms per all-reduce operand), "xla" as XLA's all-reduce of every
     # array, "auto" flat on CPU across processes (spmd/dataparallel.py)
     grad_reduce: str = "auto"
-    # Host memory of XLA:CPU programs (spmd/hostmem.py): "retain" keeps freed heap memory for reuse
-    # (each step's temporaries are not faulted in again; the process stays at its peak size),
-    # "system" leaves glibc's malloc as it is, "auto" retains when JAX was told to use the CPU
+    # Host memory of XLA:CPU programs (spmd/hostmem.py): "tbbmalloc" relaunches the command under
+    # Intel's scalable allocator (the `tbb` wheel; large blocks cached apart from small objects),
+    # "retain" keeps glibc's freed heap memory for reuse (each step's temporaries are not faulted in
+    # again; the process stays at its peak size), "system" leaves glibc's malloc as it is, "auto"
+    # is tbbmalloc where installed (else retain) on a CPU host, system elsewhere
     host_heap: str = "auto"
     # Library for the matmuls of CPU train/eval steps (spmd/cpu_matmul.py): "onednn" (as PyTorch's
     # CPU backend; faster here) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)

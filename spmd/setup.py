@@ -69,16 +69,19 @@ class Setup:
         }
 
 
-def before_jax_starts(config: str | Config, overrides: Sequence[str] = ()) -> None:
-    """What a run sets up in the process before JAX starts: `train.host_heap` (spmd/hostmem.py).
-    Commands call it first; bad input is left for assemble to report."""
+def before_jax_starts(
+    config: str | Config, overrides: Sequence[str] = (), *, may_relaunch: bool = False
+) -> None:
+    """What a run sets up in the process before JAX starts: `train.host_heap` (spmd/hostmem.py;
+    with `may_relaunch`, a command run from its command line, the process may be replaced by the
+    same command under tbbmalloc). Commands call it first; bad input is left for assemble to report."""
     try:
         cfg = (
             load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
         )
     except UserError:
         return
-    hostmem.retain_before_start(cfg.train.host_heap)
+    hostmem.prepare(cfg.train.host_heap, may_relaunch)
 
 
 def assemble(

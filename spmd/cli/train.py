@@ -120,17 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    return run_main(build_parser(), run, argv)
+    # only a command run from its command line may relaunch itself (train.host_heap=tbbmalloc)
+    return run_main(build_parser(), lambda args: run(args, may_relaunch=argv is None), argv)
 
 
-def run(args) -> int:
+def run(args, may_relaunch: bool = False) -> int:
     from spmd import distributed
     from spmd.setup import before_jax_starts
 
     overrides = list(args.set) + [
         f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
     ]
-    before_jax_starts(args.config or "small", overrides)
+    before_jax_starts(args.config or "small", overrides, may_relaunch=may_relaunch)
     distributed.initialize_from_flags(args)
     import jax
 
@@ -355,7 +356,9 @@ def describe_run(
             else []
         ),
         *(
-            [f"host heap: freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"]
+            [
+                f"host heap: {hostmem.active()}, freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"
+            ]
             if hostmem.retained()
             else []
         ),
