@@ -263,7 +263,7 @@ def jax_dp(s: dict):
     overrides = ["model.dtype=float32", f"train.grad_reduce={s['grad_reduce']}"]
     from spmd.setup import before_jax_starts
 
-    before_jax_starts("small", overrides)  # as spmd-train does
+    before_jax_starts("small", overrides, may_relaunch=True)  # as spmd-train does
     distributed.initialize(f"127.0.0.1:{s['port']}", s["world"], s["rank"])
     setup = assemble("small", f"data={s['world']}", "dp", overrides=overrides)
     trainer, batches = setup.trainer, setup.batches()
@@ -299,9 +299,13 @@ def worker(spec: dict) -> None:
         from spmd.setup import before_jax_starts
 
         config, sets = (spec["config"], spec["set"]) if spec["kind"] == "train" else ("small", CKPT)
-        before_jax_starts(config, sets)  # as spmd-train does
+        # as spmd-train does, relaunching this worker under tbbmalloc where that is the choice
+        # (the same arguments, and the pipes to the harness stay open across the exec)
+        before_jax_starts(config, sets, may_relaunch=True)
     window = KINDS[spec["kind"]](spec)
-    say({"ready": True, "jax": jax.__version__})
+    from spmd import hostmem
+
+    say({"ready": True, "jax": jax.__version__, "host_heap": hostmem.active()})
     for line in sys.stdin:
         if line.strip() == "quit":
             break
@@ -309,6 +313,10 @@ def worker(spec: dict) -> None:
 
 
 # ================================================================ orchestration
+
+
+# Extra environment of PyTorch's processes (--torch-heap)
+TORCH_ENV: dict[str, str] = {}
 
 
 class Participant:
@@ -320,6 +328,8 @@ class Participant:
         python = torch_python if side == "torch" else sys.executable
         cmd = [python, str(script), "--spec", json.dumps(spec)] + (["--worker"] if side == "ours" else [])
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+        if side == "torch":
+            env |= TORCH_ENV
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty compiler can't block it
         self.proc = subprocess.Popen(
             cmd,
@@ -602,6 +612,13 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,4096,8192", help="attention sequence lengths")
     p.add_argument("--dir", default="/tmp/spmd-bench-vs-torch", help="checkpoint scratch directory")
     p.add_argument("--torch-python", default=str(ROOT / ".venv-torch" / "bin" / "python"))
+    p.add_argument(
+        "--torch-heap",
+        choices=("system", "tbbmalloc"),
+        default="system",
+        help="PyTorch's malloc: glibc's as installed (default), or tbbmalloc preloaded as ours runs on CPU "
+        "(train.host_heap, spmd/hostmem.py): the same allocator on both sides",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -626,6 +643,20 @@ def main() -> None:
         print("error: --rounds must be at least 3 (medians of interleaved rounds)", file=sys.stderr)
         raise SystemExit(2)
     args.lengths = [int(t) for t in args.lengths.split(",")]
+    if args.torch_heap == "tbbmalloc":
+        from spmd import hostmem
+
+        libraries = hostmem.tbbmalloc_libraries()
+        if libraries is None:
+            print(
+                "error: --torch-heap tbbmalloc needs the tbb wheel in this environment: pip install tbb",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
+        TORCH_ENV.update(
+            LD_PRELOAD=" ".join(libraries),
+            TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD=str(hostmem.TBBMALLOC_KEEP_FROM_BYTES),
+        )
 
     import jax
 
