@@ -9,10 +9,16 @@ rewritten as `extends` of a base.
 import json
 import pathlib
 
+import pytest
 from conftest import run_training
 
-PINNED = {
-    "one device": [
+# The one-device trajectory per CPU vendor: oneDNN's fp32 matmuls choose their kernels and blocking
+# by the CPU, so the same program rounds differently on another CPU. Recorded on the CI machines:
+# an Intel VM with AMX (2026-11-30) and an AMD EPYC VM (2026-12-02, step 8 1 ulp lower; the same
+# bits in repeated runs there, and on the code before the tbbmalloc change too). Each is compared
+# exactly on its own CPU; a CPU with none recorded is skipped, not compared loosely.
+ONE_DEVICE = {
+    "GenuineIntel": [
         5.609000205993652,
         5.593022346496582,
         5.565330505371094,
@@ -24,6 +30,14 @@ PINNED = {
         5.008785724639893,
         4.69998836517334,
     ],
+}
+# the same but step 8, 1 ulp lower
+ONE_DEVICE["AuthenticAMD"] = [
+    *ONE_DEVICE["GenuineIntel"][:7],
+    5.179218292236328,
+    *ONE_DEVICE["GenuineIntel"][8:],
+]
+PINNED = {
     # Re-recorded once (2026-12-01, issue 19): the CPU attention's own backward
     # (models.attention.softmax_attention_cpu) sums in another order; step 8 moved by 1 ulp
     # (5.179219722747803 before). The one-device trajectory did not move.
@@ -43,9 +57,22 @@ PINNED = {
 GOLDEN_RULES = pathlib.Path(__file__).parent / "golden" / "rules_resolved.json"
 
 
+def cpu_vendor() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def test_tiny_loss_on_one_device_is_bit_identical(single_device_run):
+    vendor = cpu_vendor()
+    if vendor not in ONE_DEVICE:
+        pytest.skip(f"no one-device trajectory recorded for a {vendor} CPU")
     losses, _, _ = single_device_run
-    assert [float(x) for x in losses] == PINNED["one device"]
+    assert [float(x) for x in losses] == ONE_DEVICE[vendor]
 
 
 def test_tiny_loss_on_fsdp_tensor_is_bit_identical(tiny_cfg, devices):
