@@ -177,7 +177,7 @@ def retain_freed_memory() -> bool:
 
 def retained() -> bool:
     """Whether freed memory stays with the process (glibc retaining it, or tbbmalloc)."""
-    return _retained or tbbmalloc_active()
+    return active() != "system"
 
 
 def active() -> str:
@@ -199,21 +199,22 @@ def prepare(setting: str, may_relaunch: bool) -> None:
             "or set train.host_heap=retain"
         )
     can_relaunch = may_relaunch and libraries is not None and not relaunched
-    if choose(setting, cpu_host(), can_relaunch) == "tbbmalloc":
+    on_cpu = cpu_host()
+    if choose(setting, on_cpu, can_relaunch) == "tbbmalloc":
         relaunch_under_tbbmalloc(libraries)
-    retain_before_start(setting)
+    retain_before_start(setting, on_cpu)
 
 
-def retain_before_start(setting: str) -> None:
+def retain_before_start(setting: str, on_cpu: bool | None = None) -> None:
     """Apply `train.host_heap=setting` before JAX starts its threads, as commands do (through
     spmd.setup.before_jax_starts): a thread keeps the allocator arena it first used, so once
     XLA:CPU's threads run, their temporaries come from their own arenas, which map large blocks
     afresh whatever mallopt says. Measured: a jitted train step of `small` bf16 still faulted its
     171 MiB in every step when switched after JAX had started, none when before. `auto` only on a
-    CPU host (`cpu_host`)."""
+    CPU host (`on_cpu`; by default `cpu_host()`)."""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized() or tbbmalloc_active():
         return
-    if wanted(setting, on_cpu=cpu_host()):
+    if wanted(setting, on_cpu=cpu_host() if on_cpu is None else on_cpu):
         retain_freed_memory()
