@@ -295,12 +295,26 @@ def worker(spec: dict) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    if spec["kind"] in ("train", "checkpoint"):  # both run inside spmd-train, which sets the heap
+    # Each of these runs inside a command that sets train.host_heap before JAX starts (spmd-train;
+    # decoding: spmd-sample, with the setting's default): measured under the same heap. The
+    # attention, MoE and decode rows were not until the fourteenth pass, and paid for faulting
+    # their temporaries in on every call.
+    config_of = {
+        "train": None,
+        "checkpoint": ("small", CKPT),
+        "attention": ("small", []),
+        "moe": ("small-moe", []),
+    }
+    if spec["kind"] in (*config_of, "decode"):
         from spmd.setup import before_jax_starts
 
-        config, sets = (spec["config"], spec["set"]) if spec["kind"] == "train" else ("small", CKPT)
-        # as spmd-train does, relaunching this worker under tbbmalloc where that is the choice
-        # (the same arguments, and the pipes to the harness stay open across the exec)
+        config, sets = (
+            (spec["config"], spec["set"])
+            if spec["kind"] == "train"
+            else config_of.get(spec["kind"], (None, []))
+        )
+        # relaunching this worker under tbbmalloc where that is the choice (the same arguments,
+        # and the pipes to the harness stay open across the exec)
         before_jax_starts(config, sets, may_relaunch=True)
     window = KINDS[spec["kind"]](spec)
     from spmd import hostmem

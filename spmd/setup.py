@@ -24,7 +24,7 @@ from models import attention
 from models.llama import Decoder
 from spmd import hostmem, memory
 from spmd import sharding as sharding_lib
-from spmd.config import Config, apply_overrides, load_config
+from spmd.config import Config, TrainConfig, apply_overrides, load_config
 from spmd.errors import UserError
 from spmd.mesh import axes_size, build_mesh, platform_of
 from spmd.rules import Rules, load_rules
@@ -70,11 +70,16 @@ class Setup:
 
 
 def before_jax_starts(
-    config: str | Config, overrides: Sequence[str] = (), *, may_relaunch: bool = False
+    config: str | Config | None, overrides: Sequence[str] = (), *, may_relaunch: bool = False
 ) -> None:
     """What a run sets up in the process before JAX starts: `train.host_heap` (spmd/hostmem.py;
     with `may_relaunch`, a command run from its command line, the process may be replaced by the
-    same command under tbbmalloc). Commands call it first; bad input is left for assemble to report."""
+    same command under tbbmalloc). Commands call it first; bad input is left for assemble to report.
+    `config=None`: a command that reads its config from a checkpoint once JAX runs (spmd-sample,
+    spmd-eval) gets train.host_heap's default."""
+    if config is None:
+        hostmem.prepare(TrainConfig.__dataclass_fields__["host_heap"].default, may_relaunch)
+        return
     try:
         cfg = (
             load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)

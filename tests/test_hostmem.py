@@ -174,3 +174,37 @@ def test_host_heap_choices(monkeypatch):
     monkeypatch.setattr(hostmem, "tbbmalloc_libraries", lambda: None)
     with pytest.raises(UserError, match="train.host_heap=tbbmalloc needs Intel's tbb wheel"):
         hostmem.prepare("tbbmalloc", may_relaunch=True)
+
+
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_commands_that_load_a_checkpoint_set_the_heap_before_jax_starts(command, monkeypatch):
+    """spmd-sample and spmd-eval learn their config from the checkpoint once JAX runs, so they set
+    train.host_heap's default first (config None), relaunching only from their command line."""
+    import importlib
+
+    from spmd import setup
+
+    module = importlib.import_module(f"spmd.cli.{command}")
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def record(config, overrides=(), *, may_relaunch=False):
+        calls.append((config, may_relaunch))
+        raise Stop
+
+    original = setup.before_jax_starts
+    monkeypatch.setattr(setup, "before_jax_starts", record)
+    monkeypatch.setattr(sys, "argv", [f"spmd-{command}", "--run-dir", "nowhere"])
+    for argv, relaunch in ((["--run-dir", "nowhere"], False), (None, True)):
+        with pytest.raises(Stop):
+            module.main(argv)
+        assert calls[-1] == (None, relaunch)
+    assert len(calls) == 2
+    prepared = []
+    monkeypatch.setattr(
+        hostmem, "prepare", lambda setting, may_relaunch: prepared.append((setting, may_relaunch))
+    )
+    original(None, may_relaunch=True)
+    assert prepared == [(load_config("tiny").train.host_heap, True)] and prepared[0][0] == "auto"
