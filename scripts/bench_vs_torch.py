@@ -300,19 +300,16 @@ def worker(spec: dict) -> None:
     # attention, MoE and decode rows were not until the fourteenth pass, and paid for faulting
     # their temporaries in on every call.
     config_of = {
-        "train": None,
+        "train": (spec.get("config"), spec.get("set")),
         "checkpoint": ("small", CKPT),
         "attention": ("small", []),
         "moe": ("small-moe", []),
+        "decode": (None, []),
     }
-    if spec["kind"] in (*config_of, "decode"):
+    if spec["kind"] in config_of:
         from spmd.setup import before_jax_starts
 
-        config, sets = (
-            (spec["config"], spec["set"])
-            if spec["kind"] == "train"
-            else config_of.get(spec["kind"], (None, []))
-        )
+        config, sets = config_of[spec["kind"]]
         # relaunching this worker under tbbmalloc where that is the choice (the same arguments,
         # and the pipes to the harness stay open across the exec)
         before_jax_starts(config, sets, may_relaunch=True)

@@ -78,7 +78,7 @@ def before_jax_starts(
     `config=None`: a command that reads its config from a checkpoint once JAX runs (spmd-sample,
     spmd-eval) gets train.host_heap's default."""
     if config is None:
-        hostmem.prepare(TrainConfig.__dataclass_fields__["host_heap"].default, may_relaunch)
+        hostmem.prepare(TrainConfig.host_heap, may_relaunch)  # the field's default
         return
     try:
         cfg = (
