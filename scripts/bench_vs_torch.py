@@ -252,6 +252,10 @@ def jax_decode(s: dict):
     return lambda: {"time": generate()}
 
 
+def dp_overrides(s: dict) -> list[str]:
+    return ["model.dtype=float32", f"train.grad_reduce={s['grad_reduce']}"]
+
+
 def jax_dp(s: dict):
     os.sched_setaffinity(0, {s["rank"] % os.cpu_count()})  # one core per process, as PyTorch's
     import jax
@@ -260,12 +264,8 @@ def jax_dp(s: dict):
     from spmd import distributed, hlo
     from spmd.setup import assemble
 
-    overrides = ["model.dtype=float32", f"train.grad_reduce={s['grad_reduce']}"]
-    from spmd.setup import before_jax_starts
-
-    before_jax_starts("small", overrides, may_relaunch=True)  # as spmd-train does
     distributed.initialize(f"127.0.0.1:{s['port']}", s["world"], s["rank"])
-    setup = assemble("small", f"data={s['world']}", "dp", overrides=overrides)
+    setup = assemble("small", f"data={s['world']}", "dp", overrides=dp_overrides(s))
     trainer, batches = setup.trainer, setup.batches()
     box = {"state": trainer.init_state(), "i": 0}
     compiled = trainer.train_step.lower(box["state"], batches.train_batch(0)).compile()
@@ -299,21 +299,21 @@ def worker(spec: dict) -> None:
     # decoding: spmd-sample, with the setting's default): measured under the same heap. The
     # attention, MoE and decode rows were not until the fourteenth pass, and paid for faulting
     # their temporaries in on every call.
-    config_of = {
-        "train": (spec.get("config"), spec.get("set")),
-        "checkpoint": ("small", CKPT),
-        "attention": ("small", []),
-        "moe": ("small-moe", []),
-        "decode": (None, []),
-    }
-    if spec["kind"] in config_of:
-        from spmd.setup import before_jax_starts
+    kind = spec["kind"]
+    config, sets = {
+        "train": lambda: (spec["config"], spec["set"]),
+        "checkpoint": lambda: ("small", CKPT),
+        "attention": lambda: ("small", []),
+        "moe": lambda: ("small-moe", []),
+        "decode": lambda: (None, []),
+        "dp": lambda: ("small", dp_overrides(spec)),
+    }[kind]()
+    from spmd.setup import before_jax_starts
 
-        config, sets = config_of[spec["kind"]]
-        # relaunching this worker under tbbmalloc where that is the choice (the same arguments,
-        # and the pipes to the harness stay open across the exec)
-        before_jax_starts(config, sets, may_relaunch=True)
-    window = KINDS[spec["kind"]](spec)
+    # relaunching this worker under tbbmalloc where that is the choice (the same arguments, and the
+    # pipes to the harness stay open across the exec)
+    before_jax_starts(config, sets, may_relaunch=True)
+    window = KINDS[kind](spec)
     from spmd import hostmem
 
     say({"ready": True, "jax": jax.__version__, "host_heap": hostmem.active()})
