@@ -119,6 +119,7 @@ class TrainLoop:
         if self.watchdog is not None:
             self.watchdog.start(start_step)
         pending = None  # (step, its `skipped` flag), read once the next step is dispatched
+        called = set()  # hooks that ran: a first call may compile (spmd.watchdog)
         try:
             for step in range(start_step, end_step):
                 self._spend("productive")
@@ -142,6 +143,9 @@ class TrainLoop:
                     if "skipped" in metrics:
                         info.extra["skipped_steps"] = self.skipped
                     for hook in due:
+                        if self.watchdog is not None and id(hook) not in called:
+                            self.watchdog.hook_first_call()
+                        called.add(id(hook))
                         hook(info)
                         self._spend(hook.bucket)
                         self._beat()

@@ -8,8 +8,11 @@ the deadline it writes every Python thread's stack to stderr and to
 --max-restarts treats as a failure to restart from the latest committed checkpoint.
 
 The deadline is `train.step_timeout` seconds when set, else 10x the median of recent step times,
-and at least 5 minutes (a step of a large model, a first save, an eval that compiles). Before any
-step has been timed it is 10x the train step's compile time, again at least 5 minutes.
+and at least 5 minutes (a step of a large model, a save, an eval). Before any step has been timed
+it is 10x the train step's compile time, again at least 5 minutes, and so is the deadline of each
+hook's first call whatever the setting: the first eval compiles its step and the first save its
+checksum program, seconds that a step_timeout sized to the steps does not cover (as torchtitan
+gives the first iteration its own, longer timeout).
 """
 
 import faulthandler
@@ -43,6 +46,7 @@ class Watchdog:
         self.step = 0  # the last step known to be finished
         self.last = time.monotonic()
         self.last_was_step = False
+        self.first_call = False  # a hook is running for the first time: it may compile
         self._done = threading.Event()
         self._thread = None
 
@@ -52,10 +56,17 @@ class Watchdog:
 
     def deadline(self) -> float:
         if self.timeout > 0:
-            return self.timeout
-        if not self.durations:
-            return self.first_deadline
-        return max(self.floor, FACTOR * statistics.median(self.durations[-WINDOW:]))
+            steady = self.timeout
+        elif not self.durations:
+            steady = self.first_deadline
+        else:
+            steady = max(self.floor, FACTOR * statistics.median(self.durations[-WINDOW:]))
+        return max(steady, self.first_deadline) if self.first_call else steady
+
+    def hook_first_call(self) -> None:
+        """A hook is about to run for the first time: until the next beat the deadline is at least
+        the first deadline, as its first call compiles."""
+        self.first_call = True
 
     def start(self, step: int) -> "Watchdog":
         self.step, self.last = step, time.monotonic()
@@ -74,6 +85,7 @@ class Watchdog:
                 del self.durations[:-WINDOW]
             self.step = step
         self.last, self.last_was_step = now, step is not None
+        self.first_call = False
 
     def stop(self) -> None:
         self._done.set()
@@ -88,7 +100,12 @@ class Watchdog:
                 self._fire(waited, deadline)
 
     def _fire(self, waited: float, deadline: float) -> None:
-        how = "train.step_timeout" if self.timeout > 0 else "10x the median step, at least 5 min"
+        if self.first_call:
+            how = "a hook's first call: 10x the compile time, at least 5 min"
+        elif self.timeout > 0:
+            how = "train.step_timeout"
+        else:
+            how = "10x the median step, at least 5 min"
         where = self._dump_path()
         message = (
             f"error: hang: no progress for {_secs(waited)} since step {self.step} finished (deadline {_secs(deadline)}, "

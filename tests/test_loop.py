@@ -205,9 +205,53 @@ def test_watchdog_deadline_follows_the_median_step_with_a_floor():
     assert Watchdog(7.5, None).deadline() == 7.5 and not Watchdog(-1, None).enabled
 
 
+def test_a_hooks_first_call_gets_the_first_deadline_once():
+    """The first eval and the first save compile (the eval step, the checksum program): until the
+    next beat the deadline is the first one (>= the floor) even under a fixed train.step_timeout;
+    the loop asks for it once per hook, and a hook's later calls are held to step_timeout."""
+    from spmd import loop
+    from spmd.watchdog import Watchdog
+
+    dog = Watchdog(7.5, None, compile_seconds=40.0, floor=300.0)
+    dog.hook_first_call()
+    assert dog.deadline() == 400.0
+    dog.beat()
+    assert dog.deadline() == 7.5
+
+    class Recording(Watchdog):
+        def __init__(self):
+            super().__init__(7.5, None)
+            self.first_calls = []
+
+        def start(self, step):  # no thread: the deadlines are not what this checks
+            return self
+
+        def hook_first_call(self):
+            self.first_calls.append(self.step)
+            super().hook_first_call()
+
+    class Every(loop.Hook):
+        def __init__(self, every):
+            self.every, self.calls = every, []
+
+        def __call__(self, info):
+            self.calls.append(info.step)
+
+    class Steps:
+        def train_batch(self, step):
+            return step
+
+    dog, a, b = Recording(), Every(2), Every(3)
+    loop.TrainLoop(lambda s, x: (s, {}), Steps(), [a, b], watchdog=dog).run(0, 0, 7)
+    assert a.calls == [2, 4, 6, 7] and b.calls == [3, 6, 7]
+    assert dog.first_calls == [2, 3]  # a's first call after step 2, b's after step 3; no more
+    assert not dog.first_call  # the hook's return was a beat
+
+
 def test_watchdog_dumps_every_stack_and_exits_4_on_a_hang(tmp_path):
     """A loop whose step never returns: the watchdog writes the stacks to stderr and the run dir and
-    exits with its code; a loop that keeps stepping is left alone."""
+    exits with its code; a loop that keeps stepping is left alone, also while a hook's first call
+    runs past step_timeout (it compiles)."""
     import re
     import subprocess
     import sys
@@ -229,8 +273,16 @@ def test_watchdog_dumps_every_stack_and_exits_4_on_a_hang(tmp_path):
             def train_batch(self, step):
                 return step
 
+        class Compiling(loop.Hook):  # its first call takes longer than step_timeout, as a compile does
+            every, calls = 20, 0
+
+            def __call__(self, info):
+                self.calls += 1
+                time.sleep(1.5 if self.calls == 1 else 0.01)
+
         ok = Watchdog(0.5, pathlib.Path({str(tmp_path / "ok")!r}))
-        loop.TrainLoop(lambda s, b: (time.sleep(0.01), (s, {{}}))[1], Steps(), [], watchdog=ok).run(0, 0, 60)
+        steps = lambda s, b: (time.sleep(0.01), (s, {{}}))[1]
+        loop.TrainLoop(steps, Steps(), [Compiling()], watchdog=ok).run(0, 0, 60)
         print("first loop done", flush=True)
         dog = Watchdog(0.5, pathlib.Path({str(tmp_path / "hangs")!r}), process=1)
         loop.TrainLoop(step, Steps(), [], watchdog=dog).run(0, 0, 10)
