@@ -5,6 +5,7 @@ be undone."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from spmd.config import load_config
 from spmd.errors import UserError
 
 # Steps of `small`'s bf16 train step (171 MiB of temporaries) on one CPU device, as spmd-train
-# runs them: page faults per step, with glibc's malloc as it is and with freed memory retained.
+# runs them: page faults of each step, with glibc's malloc as it is and with freed memory retained.
 PROBE = textwrap.dedent(
     """
     import json, resource
@@ -32,11 +33,12 @@ PROBE = textwrap.dedent(
     for _ in range(3):
         state, _ = setup.trainer.train_step(state, batch)
     jax.block_until_ready(state)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(8):
+    faults = []
+    for _ in range(24):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         state, _ = setup.trainer.train_step(state, batch)
         jax.block_until_ready(state)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     temp = setup.trainer.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     print(json.dumps({{"faults": faults, "pages": temp / 4096, "heap": hostmem.active()}}))
     """
@@ -55,12 +57,13 @@ def test_retained_heap_stops_the_page_faults_of_each_execution():
     # on a CPU host auto relaunches under tbbmalloc where its wheel is installed (x86-64 Linux)
     assert auto["heap"] == ("tbbmalloc" if hostmem.tbbmalloc_libraries() else "retain"), auto
     # glibc maps each execution's temporaries afresh and faults them in page by page ...
-    assert system["faults"] > 0.9 * pages, system
-    # ... unless freed memory stays in the heap: then most steps fault nothing (glibc's heap still
-    # grows now and then, when small allocations took part of the freed block: that step faults a
-    # new block in; tbbmalloc keeps large blocks apart from small ones)
-    assert retain["faults"] < 0.5 * pages, retain
-    assert auto["faults"] < 0.5 * pages, auto
+    assert statistics.mean(system["faults"]) > 0.9 * pages, system
+    # ... unless freed memory stays in the heap: then most steps fault nothing. glibc's heap still
+    # grows now and then, when small allocations took part of the freed block: that step (often two
+    # in a row) faults a new block in, 0-3 steps of 30 measured, 4 of 8 once; so the median step
+    # over 24, not the mean of a few. tbbmalloc keeps large blocks apart from small ones.
+    assert statistics.median(retain["faults"]) < 0.01 * pages, retain
+    assert statistics.median(auto["faults"]) < 0.01 * pages, auto
 
 
 # A command run from its command line: the process prints its pid, relaunches itself under
