@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from spmd.config import CheckpointConfig
 from spmd.errors import UserError, stderr_parked
@@ -91,11 +92,36 @@ def _manager(
         read_only=read_only,
     )
     if not read_only:
-        state = ocp.PyTreeCheckpointHandler(use_compression=False)
+        registry = {"type_handler_registry": _cpu_registry()} if jax.default_backend() == "cpu" else {}
+        state = ocp.PyTreeCheckpointHandler(use_compression=False, **registry)
     else:
         state = ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler()
     handlers = {"state": state, "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=handlers)
+
+
+def _cpu_registry() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's handlers, with replica-parallel saving off (as Orbax itself has it on GPU).
+
+    Replica-parallel saving splits a shard that several devices hold among them, each writing its
+    part: a compiled slice program per device and array shape. On CPU the devices are one host's
+    memory and the process writes all of them anyway, so the split parallelises nothing; its
+    programs were 72 compilations and ~4 s of `tiny`'s first save on 8 devices (~1.5 s per run
+    with a warm compilation cache; docs/performance.md, issue 19's eighteenth pass). The files
+    written are the same: every shard whole, by the replica 0 that holds it."""
+    arrays = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+    )
+    scalars = ocp.type_handlers.ScalarHandler()
+    return ocp.type_handlers.create_type_handler_registry(
+        (int, scalars),
+        (float, scalars),
+        (bytes, scalars),
+        (np.number, scalars),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (jax.Array, arrays),
+        (str, ocp.type_handlers.StringHandler()),
+    )
 
 
 def run_dir_of(directory: pathlib.Path) -> pathlib.Path:

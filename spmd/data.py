@@ -43,6 +43,19 @@ def _atomic_save(path: pathlib.Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def _stdlib_sources(root: pathlib.Path) -> list[str]:
+    """Relative posix paths of the *.py files under `root` outside site-packages/dist-packages,
+    sorted. (os.walk: every run lists them for the cache key, and pathlib's rglob took 0.4 s of
+    each process's start for the 1,740 files of Python 3.12's.)"""
+    names = []
+    for directory, subdirs, filenames in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
+        rel = pathlib.Path(directory).relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        names += [prefix + f for f in filenames if f.endswith(".py")]
+    return sorted(names)
+
+
 def stdlib_corpus(val_fraction: float) -> tuple[pathlib.Path, pathlib.Path]:
     """Byte tokens of this Python's standard library source (*.py), split by file.
 
@@ -50,11 +63,9 @@ def stdlib_corpus(val_fraction: float) -> tuple[pathlib.Path, pathlib.Path]:
     crc32(relative path) falls in the lowest `val_fraction` of the range. Built once, then cached.
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (f for f in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(f.parts)),
-        key=lambda f: f.relative_to(root).as_posix(),
-    )
-    listing = "\n".join(f.relative_to(root).as_posix() for f in files)
+    names = _stdlib_sources(root)
+    files = [root / name for name in names]
+    listing = "\n".join(names)
     key = hashlib.sha1(f"{sys.version}|{root}|{val_fraction}|{listing}".encode()).hexdigest()[:12]
     out = cache_dir() / f"stdlib-{key}"
     train_path, val_path = out / "train.npy", out / "val.npy"

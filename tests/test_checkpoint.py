@@ -177,3 +177,25 @@ def test_resuming_with_another_param_dtype_is_an_error_naming_both(tiny_cfg, dev
         ckpt.restore(tmp_path / ckpt.SUBDIR, 0, other.abstract_state)
     params, _ = ckpt.restore_params(tmp_path / ckpt.SUBDIR, 0, other.plan.abstract_params)  # casts
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("bfloat16")}
+
+
+def test_replicated_shards_are_saved_whole_with_no_slice_program_per_device(devices, tmp_path, caplog):
+    """On CPU Orbax's replica-parallel saving is off (spmd.checkpoint._cpu_registry): with it, each
+    replicated shard was split among its 8 devices, a slice program compiled per device and shape."""
+    import logging
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec())
+    w = np.arange(8 * 37 * 3, dtype=np.float32).reshape(8 * 37, 3)  # a shape no other test saves
+    writer = ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig())
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        writer.save(1, {"w": jax.device_put(w, replicated)}, {"step": 1})
+        writer.close()
+    compiled = [
+        r.getMessage().split(" with ")[0] for r in caplog.records if r.getMessage().startswith("Compiling ")
+    ]
+    assert "Compiling jit(_checksums)" in compiled and "Compiling jit(slice)" not in compiled, compiled
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=replicated)}
+    restored, _ = ckpt.restore(tmp_path / ckpt.SUBDIR, 1, target)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), w)
