@@ -106,7 +106,7 @@ def _cpu_registry() -> ocp.type_handlers.TypeHandlerRegistry:
     Replica-parallel saving splits a shard that several devices hold among them, each writing its
     part: a compiled slice program per device and array shape. On CPU the devices are one host's
     memory and the process writes all of them anyway, so the split parallelises nothing; its
-    programs were 72 compilations and ~4 s of `tiny`'s first save on 8 devices (~1.5 s per run
+    programs were 72 compilations and ~4 s of `tiny`'s first save on 8 devices (~0.4 s per run
     with a warm compilation cache; docs/performance.md, issue 19's eighteenth pass). The files
     written are the same: every shard whole, by the replica 0 that holds it."""
     arrays = ocp.type_handlers.ArrayHandler(
