@@ -82,6 +82,29 @@ def test_bad_input_is_one_error_line(files, case):
     assert sorted(p.name for p in files.iterdir()) == before  # nothing written
 
 
+def test_a_cpu_host_with_libtpu_installed_gets_only_the_error_line(tmp_path):
+    """No platform named, no accelerator visible, libtpu installed (the `tpu` extra): the command
+    runs JAX on the CPU without initialising libtpu, whose warnings about the missing TPU would
+    otherwise come before the one `error:` line (this bad rules preset is found once JAX runs)."""
+    import os
+
+    from spmd import hostmem
+
+    pytest.importorskip("libtpu")
+    if not hostmem.cpu_host(platforms=""):
+        pytest.skip("a TPU or GPU is visible: JAX is meant to initialise it")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "tiny", "--rules", "nonesuch",
+           "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: unknown rules preset 'nonesuch'"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_launcher_ports_and_signalled_children():
     import socket
 

@@ -67,6 +67,34 @@ def set_host_platform() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def skip_absent_accelerators() -> None:
+    """With no platform named and no TPU chip or GPU visible (spmd.hostmem.cpu_host: the PCI bus and
+    device files, as JAX looks), name the CPU for JAX. Where libtpu is installed (the `tpu` extra)
+    JAX would otherwise initialise it on every start, and libtpu writes five lines about the TPU it
+    cannot find to stderr before JAX falls back to the CPU, burying a command's own output and its
+    one `error:` line. Nothing changes where a device is visible. Set in the environment before JAX
+    is imported (child processes decide alike), else in JAX's config before it starts a backend."""
+    from spmd import hostmem
+
+    if os.environ.get("JAX_PLATFORMS") or "jax" in sys.modules and _jax_started_or_told():
+        return
+    if not hostmem.cpu_host(platforms=""):
+        return
+    if "jax" in sys.modules:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _jax_started_or_told() -> bool:
+    import jax
+    from jax._src import xla_bridge
+
+    return bool(jax.config.jax_platforms) or xla_bridge.backends_are_initialized()
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -88,6 +116,8 @@ def run_main(parser: argparse.ArgumentParser, body, argv=None) -> int:
     try:
         if getattr(args, "host_devices", None) is not None:
             set_host_devices(args.host_devices)
+        else:
+            skip_absent_accelerators()
         return body(args)
     except UserError as e:
         report(e)
