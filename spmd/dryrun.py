@@ -13,6 +13,7 @@ that), so the two forms are comparable.
 import math
 import os
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -294,6 +295,11 @@ def chip_estimate(setup, rows, flops: float, peak: int, slices: int = 1) -> dict
     }
 
 
+COMPILE_ONLY_CACHE_READ = (
+    r"Error reading persistent compilation cache entry.*PjRtCompiler must be constructed"
+)
+
+
 def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
@@ -308,7 +314,13 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     t0 = time.perf_counter()
     lowered = trainer.train_step.lower(state, batch)
     try:
-        compiled = lowered.compile()
+        with warnings.catch_warnings():
+            # Compile-only devices (spmd.topology) cannot load an executable: where JAX's persistent
+            # compilation cache is on, a program compiled before is found there, fails to load
+            # ("PjRtCompiler must be constructed with a Client") and JAX compiles it again, after a
+            # warning that says nothing the user can act on.
+            warnings.filterwarnings("ignore", message=COMPILE_ONLY_CACHE_READ)
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         # The TPU compiler refuses a program that cannot fit the chip's memory (XLA:CPU never does).
         # Told to compile it anyway (--over-hbm), it does so for v5p; for v5e it has been seen to

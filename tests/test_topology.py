@@ -122,6 +122,18 @@ def test_tiny_sends_its_analytic_minimum_on_the_tpu_compiler(v5e, mesh, rules, e
         assert r["collective_volume_bytes"] == pytest.approx(r["analytic_minimum_total"], rel=0.01)
 
 
+def test_a_dry_run_found_in_the_persistent_cache_compiles_again_without_a_warning(v5e, recwarn):
+    """The suite runs with JAX's persistent compilation cache on (conftest): the second dry-run of
+    the same program finds it there, cannot load it on compile-only devices and compiles again,
+    and the user is not told about it."""
+    import os
+
+    assert os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    first, second = dry(v5e, "fsdp=4", "fsdp"), dry(v5e, "fsdp=4", "fsdp")
+    assert second["collective_volume_bytes"] == first["collective_volume_bytes"]
+    assert not [w for w in recwarn if "persistent compilation cache" in str(w.message)]
+
+
 def test_two_slices_compile_with_the_dcn_mesh_across_them():
     """--num-slices 2: the mesh's data axis spans the slices (by slice_index); the report says
     that the cross-slice transfers (send/recv, not collectives in the HLO) are not counted."""
