@@ -295,7 +295,10 @@ def chip_estimate(setup, rows, flops: float, peak: int, slices: int = 1) -> dict
     }
 
 
-COMPILE_ONLY_CACHE_READ = (
+# Compile-only devices (spmd.topology) cannot load an executable: where JAX's persistent compilation
+# cache is on, a program compiled before is found there, fails to load ("PjRtCompiler must be
+# constructed with a Client") and JAX compiles it again, after a warning the user cannot act on.
+_COMPILE_ONLY_CACHE_READ = (
     r"Error reading persistent compilation cache entry.*PjRtCompiler must be constructed"
 )
 
@@ -315,11 +318,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     lowered = trainer.train_step.lower(state, batch)
     try:
         with warnings.catch_warnings():
-            # Compile-only devices (spmd.topology) cannot load an executable: where JAX's persistent
-            # compilation cache is on, a program compiled before is found there, fails to load
-            # ("PjRtCompiler must be constructed with a Client") and JAX compiles it again, after a
-            # warning that says nothing the user can act on.
-            warnings.filterwarnings("ignore", message=COMPILE_ONLY_CACHE_READ)
+            warnings.filterwarnings("ignore", message=_COMPILE_ONLY_CACHE_READ)
             compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         # The TPU compiler refuses a program that cannot fit the chip's memory (XLA:CPU never does).

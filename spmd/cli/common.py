@@ -76,23 +76,13 @@ def skip_absent_accelerators() -> None:
     is imported (child processes decide alike), else in JAX's config before it starts a backend."""
     from spmd import hostmem
 
-    if os.environ.get("JAX_PLATFORMS") or "jax" in sys.modules and _jax_started_or_told():
-        return
-    if not hostmem.cpu_host(platforms=""):
-        return
     if "jax" in sys.modules:
         import jax
 
-        jax.config.update("jax_platforms", "cpu")
-    else:
+        if not jax.config.jax_platforms and hostmem.cpu_host(platforms=""):
+            set_host_platform()  # a no-op once a backend has started
+    elif not os.environ.get("JAX_PLATFORMS") and hostmem.cpu_host(platforms=""):
         os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def _jax_started_or_told() -> bool:
-    import jax
-    from jax._src import xla_bridge
-
-    return bool(jax.config.jax_platforms) or xla_bridge.backends_are_initialized()
 
 
 def log(msg: str) -> None:
