@@ -21,13 +21,9 @@ import jax.numpy as jnp
 from kernels.flash_attention import MASK_VALUE
 
 
-def plain_dot(spec, a, b, dtype=jnp.float32):
-    """einsum into `dtype` that XLA may not fuse elementwise work into. On CPU with oneDNN's dot
-    fusions (train.cpu_matmul=onednn) XLA fuses a following add, multiply, subtract or exp into the
-    matmul, and jax 0.12 computes some such fusions wrong, as this kernel and the ring's hit
-    (spmd/cpu_matmul.py, unsafe_onednn_fusions): the barrier keeps the dot a plain matmul, so the
-    program keeps oneDNN."""
-    return jax.lax.optimization_barrier(jnp.einsum(spec, a, b, preferred_element_type=dtype))
+def dot32(spec, a, b):
+    """einsum with fp32 results, as the tiles' scores, probabilities and gradients are kept."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 def traced_zero(x):
@@ -124,13 +120,13 @@ def _forward(q, k, v, seg, causal, scale, C):
             acc_bQH, m_bQ, l_bQ = carry
             k_bCH = jax.lax.dynamic_index_in_dim(k_nbCH, j, keepdims=False)
             v_bCH = jax.lax.dynamic_index_in_dim(v_nbCH, j, keepdims=False)
-            s_bQC = plain_dot("bQH,bCH->bQC", q_bQH, k_bCH) * scale
+            s_bQC = dot32("bQH,bCH->bQC", q_bQH, k_bCH) * scale
             if masked:
                 s_bQC = tiles.masked(s_bQC, i, j, MASK_VALUE)
             m_new = jnp.maximum(m_bQ, s_bQC.max(axis=-1))
             p_bQC = jnp.exp(s_bQC - m_new[..., None])
             correction = jnp.exp(m_bQ - m_new)
-            pv_bQH = plain_dot("bQC,bCH->bQH", p_bQC.astype(v_bCH.dtype), v_bCH)
+            pv_bQH = dot32("bQC,bCH->bQH", p_bQC.astype(v_bCH.dtype), v_bCH)
             return correction[..., None] * acc_bQH + pv_bQH, m_new, correction * l_bQ + p_bQC.sum(-1)
 
         b, Q, H = q_bQH.shape
@@ -188,16 +184,16 @@ def _chunked_bwd(causal, scale, C, residuals, cotangents):
                 jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
                 for x in (q_mbQH, do_mbQH, lse_mbQ, delta_mbQ)
             )
-            s_bQC = plain_dot("bQH,bCH->bQC", q_bQH, k_bCH) * scale
+            s_bQC = dot32("bQH,bCH->bQC", q_bQH, k_bCH) * scale
             p_bQC = jnp.exp(s_bQC - lse_bQ[..., None])
             if masked:
                 p_bQC = tiles.masked(p_bQC, i, j, 0.0)
-            dv_bCH = dv_bCH + plain_dot("bQC,bQH->bCH", p_bQC, do_bQH.astype(jnp.float32))
-            dp_bQC = plain_dot("bQH,bCH->bQC", do_bQH, v_bCH)
+            dv_bCH = dv_bCH + dot32("bQC,bQH->bCH", p_bQC, do_bQH.astype(jnp.float32))
+            dp_bQC = dot32("bQH,bCH->bQC", do_bQH, v_bCH)
             ds_bQC = p_bQC * (dp_bQC - delta_bQ[..., None])
             dq_bQH = jax.lax.dynamic_index_in_dim(dq_mbQH, i, keepdims=False)
-            dq_bQH = dq_bQH + plain_dot("bQC,bCH->bQH", ds_bQC, k_bCH.astype(jnp.float32))
-            dk_bCH = dk_bCH + plain_dot("bQC,bQH->bCH", ds_bQC, q_bQH.astype(jnp.float32))
+            dq_bQH = dq_bQH + dot32("bQC,bCH->bQH", ds_bQC, k_bCH.astype(jnp.float32))
+            dk_bCH = dk_bCH + dot32("bQC,bQH->bCH", ds_bQC, q_bQH.astype(jnp.float32))
             return dk_bCH, dv_bCH, jax.lax.dynamic_update_index_in_dim(dq_mbQH, dq_bQH, i, 0)
 
         return tile

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.chunked_attention import plain_dot, traced_zero
+from kernels.chunked_attention import dot32, traced_zero
 from kernels.flash_attention import MASK_VALUE
 
 LAYOUTS = ("zigzag", "striped", "contiguous")
@@ -182,7 +182,7 @@ def _kv_unrows(x_bsH, B):
 
 def _block_scores(q_bQH, k_bsH, qpos, kpos, qseg, kseg, causal, scale, K, G):
     """Scores (b, Q, s) in fp32 and their mask, broadcast from the tokens' (B, t, s) mask."""
-    s_bQs = plain_dot("bQH,bsH->bQs", q_bQH, k_bsH) * scale
+    s_bQs = dot32("bQH,bsH->bQs", q_bQH, k_bsH) * scale
     mask_Bts = _mask(qpos, kpos, qseg, kseg, causal)
     B, t, S = mask_Bts.shape
     mask_bQs = jnp.broadcast_to(mask_Bts[:, None, None], (B, K, G, t, S)).reshape(B * K, G * t, S)
@@ -220,7 +220,7 @@ def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, C, s
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
                 alpha = jnp.exp(m - m_new)
-                pv = plain_dot("bQs,bsH->bQH", p.astype(v_c.dtype), v_c)
+                pv = dot32("bQs,bsH->bQH", p.astype(v_c.dtype), v_c)
                 return m_new, alpha * l + p.sum(-1), o * alpha[..., None] + pv
 
             # Skip (query piece, key chunk) pairs that causality masks out entirely.
@@ -263,11 +263,11 @@ def _ring_backward(q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n
                     q_pieces[a], k_c, qpos_p[a], kpos_c, qseg_p[a], kseg_c, causal, scale, K, G
                 )
                 p = jnp.where(mask, jnp.exp(s - lse[a][..., None]), 0.0)
-                dv_c = dv_c + plain_dot("bQs,bQH->bsH", p, do_p[a])
-                dp = plain_dot("bQH,bsH->bQs", do_p[a], v_c.astype(jnp.float32))
+                dv_c = dv_c + dot32("bQs,bQH->bsH", p, do_p[a])
+                dp = dot32("bQH,bsH->bQs", do_p[a], v_c.astype(jnp.float32))
                 ds = p * (dp - delta_p[a][..., None]) * scale
-                dq_a = dq_a + plain_dot("bQs,bsH->bQH", ds, k_c.astype(jnp.float32))
-                dk_c = dk_c + plain_dot("bQs,bQH->bsH", ds, q_pieces[a].astype(jnp.float32))
+                dq_a = dq_a + dot32("bQs,bsH->bQH", ds, k_c.astype(jnp.float32))
+                dk_c = dk_c + dot32("bQs,bQH->bsH", ds, q_pieces[a].astype(jnp.float32))
                 return dq_a, dk_c, dv_c
 
             grads = (dq[a], dk_c, dv_c)

@@ -124,7 +124,7 @@ def jax_attention(s: dict):
         return vjp(do)
 
     # Compiled as the train step compiles attention on CPU (train.cpu_matmul's default).
-    options = cpu_matmul.compiler_options("onednn", jax.devices()[0].platform, s["impl"])
+    options = cpu_matmul.compiler_options("onednn", jax.devices()[0].platform)
     compiled = cpu_matmul.keep(jax.jit(fwd_bwd, compiler_options=options).lower(q, k, v, do).compile())
     temps = compiled.memory_analysis().temp_size_in_bytes
     base = rss_bytes()

@@ -30,25 +30,26 @@ warnings.filterwarnings("ignore", message=r"Error writing persistent compilation
 
 CPU_MATMUL = ("onednn", "xla")  # "xla": XLA:CPU's own choice (YNNPACK, Eigen)
 
+# Each dot its own oneDNN call (LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT). XLA's other oneDNN mode
+# (LIBRARY_FUSION_TYPE_DOT) also fuses a dot's elementwise consumers (add, multiply, subtract, exp)
+# into its oneDNN call, and jax 0.12 computes some such fusions wrong, silently: a dot times a
+# broadcast operand O(100)x off once the dot sums over more than 512 elements, a dot followed by
+# two operations O(1) off at any size, the Pallas flash kernel's causal backward with dq all zeros
+# (docs/performance.md, issue 19, ninth and twenty-first passes; tests/test_cpu_matmul.py pins
+# it). The same programs with individual dots are right, and the train steps are as fast (in-process
+# A/B, twenty-first pass: `small` 0.96-1.01x, d 512 / 8 layers / T 512 0.99-1.00x, fp32 and
+# bf16); programs that had such fusions (Muon's orthogonalisation, some expert-parallel MoE steps)
+# now keep oneDNN where they ran with XLA's libraries (Muon's `small` fp32 step 1.09x).
 _ONEDNN = {
     "xla_cpu_use_onednn": True,
-    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
 }
 
 
-# Attention implementations whose CPU programs keep XLA's libraries: the Pallas kernels run in
-# interpret mode on CPU (a correctness path, not a fast one), and with oneDNN's dot fusions XLA
-# computed the flash kernel's causal backward wrong: dq all zeros and dk wrong for a one-block
-# causal sequence, both 58-75% off in the ring. tests/test_cpu_matmul.py pins it, so that the
-# exception goes when XLA is fixed.
-KEEPS_XLA_LIBRARIES = ("pallas", "pallas_tpu")
-
-
-def compiler_options(setting: str, platform: str, attention_impl: str = "xla") -> dict | None:
+def compiler_options(setting: str, platform: str) -> dict | None:
     """XLA compiler options for a step program of `platform` under `train.cpu_matmul=setting`
-    (one of CPU_MATMUL, checked with the config), for a model whose `attention_impl` is given."""
-    use = platform == "cpu" and setting == "onednn" and attention_impl not in KEEPS_XLA_LIBRARIES
-    return dict(_ONEDNN) if use else None
+    (one of CPU_MATMUL, checked with the config)."""
+    return dict(_ONEDNN) if platform == "cpu" and setting == "onednn" else None
 
 
 # XLA:CPU (jax 0.12) aborts the process when a program with oneDNN fusions is freed as an execution
@@ -72,39 +73,19 @@ def keep(program):
     return program
 
 
-# XLA:CPU (jax 0.12) fuses an f32 dot's elementwise consumers (add, multiply, subtract, exp, tanh)
-# into its oneDNN fusion and computes some such fusions wrong, silently. Measured (docs/performance.md,
-# "Ninth pass"; tests/test_cpu_matmul.py pins it): a dot times a broadcast operand is right while
-# the dot sums over at most 512 elements and O(100)x off beyond (768 to 2048); a dot minus an
-# array is wrong at any size, and so were two operations after one dot (two adds, or a multiply and
-# an add: O(1) off at 32 to 2048 summed elements, in some programs and not others); a lone add was
-# right at every size tried (32 to 2048). The chunked attention kernel hit this (its key gradients
-# 100x off once a kv head's G x T queries passed 512). So a oneDNN program is checked after
-# compiling: every oneDNN fusion must be a dot alone, a dot and one add, or a dot and one multiply
-# summing over at most SAFE_POSTOP_CONTRACTION elements; a program with any other is compiled again
-# without oneDNN (XLA's own libraries), with a warning naming the fusion. Our attention kernels keep
-# their dots apart (kernels/chunked_attention.py, plain_dot) and keep oneDNN.
-SAFE_POSTOP_CONTRACTION = 512
+# A guard, since jax is not pinned: a compiled oneDNN program must call oneDNN for lone dots only
+# (what _ONEDNN asks for); one with any other oneDNN fusion, which a later XLA might form, is
+# compiled again without oneDNN (XLA's own libraries), with a warning naming the fusion.
 ONEDNN_FUSION_KIND = "__onednn_fusion"
 
 
 def unsafe_onednn_fusions(hlo_text: str) -> list[str]:
-    """The oneDNN fusions of an optimised module outside the forms above, as "name: ops"."""
+    """The oneDNN fusions of an optimised module that are more than one dot, as "name: ops"."""
     bad = []
     for name, body in hlo_lib.library_fusions(hlo_text, ONEDNN_FUSION_KIND).items():
         ops = [op for _, op, _, _ in body if op != "parameter"]
-        dots = [ins for ins in body if ins[1] == "dot"]
-        post = [op for op in ops if op != "dot"]
-        if len(dots) == 1 and (
-            post in ([], ["add"])
-            or (
-                post == ["multiply"]
-                and (hlo_lib.dot_contracted_size(body, dots[0]) or SAFE_POSTOP_CONTRACTION + 1)
-                <= SAFE_POSTOP_CONTRACTION  # unreadable: unsafe
-            )
-        ):
-            continue
-        bad.append(f"{name}: {' + '.join(ops)}")
+        if ops != ["dot"]:
+            bad.append(f"{name}: {' + '.join(ops)}")
     return bad
 
 
@@ -142,8 +123,9 @@ class CheckedJit:
             return compiled
         self.fallbacks += bad
         warnings.warn(
-            f"oneDNN fusions XLA computes wrong in {len(bad)} place(s) ({bad[0]}, ...): this program "
-            "runs with XLA's own matmul libraries instead (spmd/cpu_matmul.py, SAFE_POSTOP_CONTRACTION)",
+            f"oneDNN fusions of more than a dot, which XLA has computed wrong, in {len(bad)} place(s) "
+            f"({bad[0]}, ...): this program runs with XLA's own matmul libraries instead "
+            "(spmd/cpu_matmul.py, unsafe_onednn_fusions)",
             stacklevel=3,
         )
         return self._plain.lower(*args, **kwargs).compile()
@@ -162,14 +144,14 @@ class _CheckedLowered:
         return getattr(self._lowered, name)
 
 
-def jit(fun, setting: str, platform: str, attention_impl: str = "xla", **jit_kwargs):
+def jit(fun, setting: str, platform: str, **jit_kwargs):
     """`jax.jit(fun, **jit_kwargs)` with the matmul library of `train.cpu_matmul=setting`
     (compiler_options); a oneDNN program is a CheckedJit, and kept (keep)."""
-    options = compiler_options(setting, platform, attention_impl)
+    options = compiler_options(setting, platform)
     return keep(CheckedJit(fun, options, jit_kwargs)) if options else jax.jit(fun, **jit_kwargs)
 
 
 def raw_onednn_jit(fun):
-    """`jax.jit(fun)` with oneDNN's options on CPU and no check (what XLA computes as such: the
-    tests that pin its wrong fusions), kept alive like every oneDNN program (keep)."""
+    """`jax.jit(fun)` with oneDNN's options on CPU and no check (what XLA computes as such, for
+    tests), kept alive like every oneDNN program (keep)."""
     return keep(jax.jit(fun, compiler_options=compiler_options("onednn", "cpu")))

@@ -323,19 +323,6 @@ def library_fusions(text: str, kind: str) -> dict[str, list[tuple[str, str, str,
     return out
 
 
-def dot_contracted_size(body: list[tuple[str, str, str, str]], dot: tuple[str, str, str, str]) -> int | None:
-    """How many elements `dot` (an instruction of `body`, as library_fusions lists them) sums over;
-    None where its operand or dimensions cannot be read."""
-    shapes = {name: shape for name, _, shape, _ in body}
-    lhs = re.match(r"\s*%([\w.\-]+)", dot[3])
-    dims = _ARRAY.findall(shapes.get(lhs.group(1), "")) if lhs else []
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", dot[3])
-    if not (dims and contracting):
-        return None
-    lhs_shape = [int(d) for d in dims[0][1].split(",") if d]
-    return math.prod(lhs_shape[int(i)] for i in contracting.group(1).split(",") if i)
-
-
 def matmul_flops(text: str) -> float | None:
     """FLOPs of every dot in the optimised module per step (per device): 2 x result elements x
     contracted size, weighted by the trip counts of the loops around it. Counts what the program

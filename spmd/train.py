@@ -405,7 +405,6 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             train_step,
             tcfg.cpu_matmul,
             platform_of(mesh),
-            cfg.model.attention_impl,
             in_shardings=(state_shardings, batch_shardings),
             out_shardings=(state_shardings, plan.replicated),
             donate_argnums=0,
@@ -440,7 +439,6 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
         eval_step,
         cfg.train.cpu_matmul,
         platform_of(mesh),
-        cfg.model.attention_impl,
         in_shardings=(plan.param_shardings, batch_shardings),
         out_shardings=plan.replicated,
     )

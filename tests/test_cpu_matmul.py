@@ -97,17 +97,29 @@ def test_cpu_matmul_rejects_an_unknown_library():
         load_config("tiny", ["train.cpu_matmul=mkl"])
 
 
-def test_pallas_programs_keep_xla_libraries_where_onednn_gets_the_flash_backward_wrong():
-    """The flash kernel's causal backward (interpret mode), compiled with oneDNN's dot fusions,
-    gives dq of zeros and a wrong dk where XLA's own libraries give the right gradient: CPU programs with a
-    Pallas attention keep XLA's libraries. When this starts failing because XLA computes it right,
-    drop the exception (spmd/cpu_matmul.py KEEPS_XLA_LIBRARIES)."""
+# XLA's other oneDNN mode, which fuses a dot's elementwise consumers into its oneDNN call
+# (spmd/cpu_matmul.py, _ONEDNN): what the tests below pin XLA computing wrong.
+FUSED_DOTS = {
+    "xla_cpu_use_onednn": True,
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+}
+
+
+def fused_dots_jit(fun):
+    from spmd import cpu_matmul
+
+    return cpu_matmul.keep(jax.jit(fun, compiler_options=FUSED_DOTS))
+
+
+def test_onednn_gets_the_flash_backward_right_with_individual_dots_and_wrong_with_fused_ones():
+    """The flash kernel's causal backward (interpret mode): with oneDNN's fused dots XLA gives dq
+    of zeros and a wrong dk; with the individual dots train.cpu_matmul=onednn asks for, the same
+    gradient as XLA's own libraries, so Pallas programs use oneDNN like the rest. When the fused
+    form starts computing it right, the pin below fails: see spmd/cpu_matmul.py, _ONEDNN."""
     from kernels.flash_attention import BlockSizes, flash_backward, flash_forward
     from spmd import cpu_matmul
 
-    assert cpu_matmul.compiler_options("onednn", "cpu", "pallas") is None
-    assert cpu_matmul.compiler_options("onednn", "cpu", "pallas_tpu") is None
-    assert cpu_matmul.compiler_options("onednn", "cpu", "chunked") is not None
+    assert cpu_matmul.compiler_options("onednn", "cpu") is not None
     assert (
         cpu_matmul.compiler_options("onednn", "gpu") is None
         and cpu_matmul.compiler_options("xla", "cpu") is None
@@ -123,14 +135,17 @@ def test_pallas_programs_keep_xla_libraries_where_onednn_gets_the_flash_backward
     def backward(q, k, v, out, lse, do):
         return flash_backward(q, k, v, None, out, lse, do, 0 * lse, True, H**-0.5, bs, True)
 
-    dq, dk, dv = jax.jit(backward)(q, k, v, out, lse, do)
-    # XLA with oneDNN as such (cpu_matmul.jit would check the program and recompile it without)
-    dq1, dk1, dv1 = cpu_matmul.raw_onednn_jit(backward)(q, k, v, out, lse, do)
-    np.testing.assert_allclose(dv1, dv, rtol=1e-5, atol=1e-6)
-    assert np.abs(np.asarray(dq)).max() > 0.1 and np.abs(np.asarray(dk)).max() > 0.1
-    assert not np.asarray(dq1).any() and not np.asarray(dk1).any(), (
-        "XLA+oneDNN computes it now: see docstring"
-    )
+    args = (q, k, v, out, lse, do)
+    truth = jax.jit(backward)(*args)
+    ours = cpu_matmul.raw_onednn_jit(backward).lower(*args).compile()
+    assert cpu_matmul.unsafe_onednn_fusions(ours.as_text()) == []
+    assert ours.as_text().count(cpu_matmul.ONEDNN_FUSION_KIND) >= 4  # the kernel's dots, in oneDNN
+    for name, g, r in zip("qkv", ours(*args), truth):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+    dq1, dk1, dv1 = fused_dots_jit(backward)(*args)
+    np.testing.assert_allclose(dv1, truth[2], rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(truth[0])).max() > 0.1 and np.abs(np.asarray(truth[1])).max() > 0.1
+    assert not np.asarray(dq1).any() and not np.asarray(dk1).any(), "fused oneDNN dots compute it now"
 
 
 MOE = {"n_experts": 4, "top_k": 2, "d_ff_expert": 128}
@@ -175,7 +190,7 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
         logp = jax.numpy.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
         return -jax.numpy.mean(logp)
 
-    program = cpu_matmul.jit(jax.grad(loss), "onednn", "cpu", impl)
+    program = cpu_matmul.jit(jax.grad(loss), "onednn", "cpu")
     ours = program(params)
     assert program.fallbacks == []  # the model's dots keep oneDNN (no fusion XLA gets wrong)
     xla = jax.jit(jax.grad(loss))(params)
@@ -202,7 +217,7 @@ def _dot_then(op, K):
 
 
 @pytest.mark.parametrize(
-    "op,K,xla_wrong",
+    "op,K,fused_wrong",
     [
         ("scale", 1024, True),
         ("row scale", 768, True),
@@ -212,35 +227,45 @@ def _dot_then(op, K):
         ("add twice", 64, True),
     ],
 )
-def test_programs_with_onednn_fusions_xla_gets_wrong_run_without_them(op, K, xla_wrong):
-    """XLA (jax 0.12) fuses a dot's elementwise consumers into its oneDNN fusion and gets some
-    wrong (spmd/cpu_matmul.py, SAFE_POSTOP_CONTRACTION): the raw program's error is pinned here, so
-    that a fixed XLA shows; cpu_matmul.jit finds those fusions, warns and runs the program with
-    XLA's own libraries (right answer), and keeps oneDNN where the fusion is right."""
+def test_individual_onednn_dots_are_right_where_xla_gets_fused_ones_wrong(op, K, fused_wrong):
+    """XLA (jax 0.12) fuses a dot's elementwise consumers into oneDNN's call in its fused mode and
+    gets some of them wrong (pinned here, so that a fixed XLA shows); cpu_matmul.jit's programs
+    call oneDNN for the dot alone and are right; and its guard (unsafe_onednn_fusions), given a
+    program with fused dots, warns and compiles it with XLA's own libraries instead."""
     from spmd import cpu_matmul
 
     f, args = _dot_then(op, K)
     truth = np.asarray(jax.jit(f)(*args))
-    raw = cpu_matmul.keep(
-        cpu_matmul.raw_onednn_jit(f).lower(*args).compile()
-    )  # a program of its own: kept too
-    raw_err = np.abs(np.asarray(raw(*args)) - truth).max() / np.abs(truth).max()
-    assert (raw_err > 0.5) == xla_wrong, f"XLA+oneDNN error {raw_err}: see the docstring"
-    assert bool(cpu_matmul.unsafe_onednn_fusions(raw.as_text())) == xla_wrong
-    checked = cpu_matmul.jit(f, "onednn", "cpu")
+
+    def err(out):
+        return np.abs(np.asarray(out) - truth).max() / np.abs(truth).max()
+
+    fused = fused_dots_jit(f).lower(*args).compile()
+    assert (err(fused(*args)) > 0.5) == fused_wrong, f"fused oneDNN dots: error {err(fused(*args))}"
+    assert cpu_matmul.unsafe_onednn_fusions(fused.as_text())  # a dot and its elementwise consumers
+
+    ours = cpu_matmul.jit(f, "onednn", "cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = checked(*args)
-        compiled = checked.lower(*args).compile()
-    assert np.abs(np.asarray(out) - truth).max() / np.abs(truth).max() < 1e-5
-    assert any("computes wrong" in str(w.message) for w in caught) == xla_wrong
-    assert bool(checked.fallbacks) == xla_wrong
-    assert ("__onednn_fusion" in compiled.as_text()) != xla_wrong
+        out = ours(*args)
+        text = ours.lower(*args).compile().as_text()
+    assert err(out) < 1e-5 and ours.fallbacks == []
+    assert not any("XLA's own matmul libraries instead" in str(w.message) for w in caught)
+    assert text.count(cpu_matmul.ONEDNN_FUSION_KIND) == 1 and cpu_matmul.unsafe_onednn_fusions(text) == []
+
+    guarded = cpu_matmul.keep(cpu_matmul.CheckedJit(f, FUSED_DOTS, {}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = guarded(*args)
+        text = guarded.lower(*args).compile().as_text()
+    assert err(out) < 1e-5 and guarded.fallbacks
+    assert any("XLA's own matmul libraries instead" in str(w.message) for w in caught)
+    assert cpu_matmul.ONEDNN_FUSION_KIND not in text
 
 
 def test_chunked_attention_compiles_to_plain_onednn_dots():
-    """The chunked kernel keeps its dots free of fused elementwise work (kernels/chunked_attention.py,
-    _dot), so a oneDNN step with it keeps oneDNN: forward and backward over 4 tiles."""
+    """The chunked kernel's dots run in oneDNN, each alone (no elementwise work fused in: what
+    train.cpu_matmul=onednn asks XLA for), forward and backward over 4 tiles."""
     from kernels.chunked_attention import chunked_attention
     from spmd import cpu_matmul
 
@@ -251,6 +276,6 @@ def test_chunked_attention_compiles_to_plain_onednn_dots():
         o, vjp = jax.vjp(lambda q, k, v: chunked_attention(q, k, v, causal=True), q, k, v)
         return vjp(o)
 
-    text = cpu_matmul.jit(fwd_bwd, "onednn", "cpu", "chunked").lower(q, k, v).compile().as_text()
+    text = cpu_matmul.jit(fwd_bwd, "onednn", "cpu").lower(q, k, v).compile().as_text()
     assert text.count("__onednn_fusion") >= 6
     assert cpu_matmul.unsafe_onednn_fusions(text) == []
