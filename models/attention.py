@@ -154,9 +154,10 @@ def _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     """softmax(q k^T * scale, masked) v with one batch axis b; returns (out, probs)."""
     # The scale goes on q (Q x H), not on the (Q x S) logits: a pass over the smaller array (and
     # with oneDNN's fused dots, since given up, XLA:CPU read the logits' multiply as a post-op from
-    # a broadcast of the scalar materialised at the logits' size). Exact where the scale is a power of two (head dim 64, 256); otherwise one
-    # rounding of q in the compute dtype, as MaxText's and PyTorch's math attention scale q (or q
-    # and k) before the dot. Measured: docs/performance.md, issue 19, eleventh pass.
+    # a broadcast of the scalar materialised at the logits' size). Exact where the scale is a power
+    # of two (head dim 64, 256); otherwise one rounding of q in the compute dtype, as MaxText's and
+    # PyTorch's math attention scale q (or q and k) before the dot. Measured: docs/performance.md,
+    # issue 19, eleventh pass.
     return _scaled_attention(_scaled(q_bQH, scale), k_bSH, v_bSH, mask_bQS)
 
 

@@ -36,10 +36,11 @@ CPU_MATMUL = ("onednn", "xla")  # "xla": XLA:CPU's own choice (YNNPACK, Eigen)
 # broadcast operand O(100)x off once the dot sums over more than 512 elements, a dot followed by
 # two operations O(1) off at any size, the Pallas flash kernel's causal backward with dq all zeros
 # (docs/performance.md, issue 19, ninth and twenty-first passes; tests/test_cpu_matmul.py pins
-# it). The same programs with individual dots are right, and the train steps are as fast (in-process
-# A/B, twenty-first pass: `small` 0.96-1.01x, d 512 / 8 layers / T 512 0.99-1.00x, fp32 and
-# bf16); programs that had such fusions (Muon's orthogonalisation, some expert-parallel MoE steps)
-# now keep oneDNN where they ran with XLA's libraries (Muon's `small` fp32 step 1.09x).
+# it). The same programs with individual dots are right. The train steps are about as fast
+# (in-process A/B, twenty-first pass: d 512 / 8 layers / T 512 0.99-1.00x, `small` bf16 0.96-1.00x,
+# `small` fp32 0.96-1.01x, median 0.97x: its gradient sums after a dot are now passes of their
+# own), and programs that had such fusions (Muon's orthogonalisation, some expert-parallel MoE
+# steps) keep oneDNN where they ran with XLA's libraries (Muon's `small` step 1.09x fp32, 1.36x bf16).
 _ONEDNN = {
     "xla_cpu_use_onednn": True,
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
