@@ -2,7 +2,6 @@
 a killed process, bad coordinates, per-process data."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from test_cli import ROOT, spmd_train
+from test_cli import ROOT, spmd_train, train_env
 
 from spmd import checkpoint as ckpt
 from spmd.launch import free_port
@@ -33,7 +32,7 @@ TRAIN = [
 
 
 def env():
-    return {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    return train_env()
 
 
 def launch(processes, devices, *args, port=None, wait=True):
