@@ -12,14 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def train_env():
-    """The environment of the tests' CLI runs: the suite's device count and XLA flags dropped
-    (conftest), so that a run compiles and computes as users' runs do."""
-    return {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-
-
 def spmd_train(*args, cwd=None, timeout=300):
-    env = train_env()
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), *args],
         capture_output=True,
@@ -224,7 +218,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command
         "--log-every",
         "1",
     ]
-    env = train_env()
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 120
@@ -260,7 +254,7 @@ def test_installed_entry_points_run_outside_the_repo(tmp_path, command):
     script = pathlib.Path(sys.executable).parent / command
     if not script.exists():
         pytest.skip(f"{command} is not installed next to this Python (run the README's `pip install -e .`)")
-    env = {k: v for k, v in train_env().items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH")}
     result = subprocess.run(
         [str(script), "--help"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120
     )
@@ -283,7 +277,7 @@ def test_installed_entry_points_run_outside_the_repo(tmp_path, command):
 def test_one_trainer_per_run_dir_and_a_dead_holders_lock_is_taken_over(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--config", "tiny", "--host-devices", "8", "--run-dir", str(run_dir)]
-    env = train_env()
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     first = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args, "--steps", "100000"],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:

@@ -10,7 +10,7 @@ import json
 import pathlib
 
 import pytest
-from conftest import run_fresh
+from conftest import run_training
 
 # The one-device trajectory per CPU vendor: oneDNN's fp32 matmuls choose their kernels and blocking
 # by the CPU, so the same program rounds differently on another CPU. Recorded on the CI machines:
@@ -67,32 +67,17 @@ def cpu_vendor() -> str:
     return "unknown"
 
 
-# Both trajectories as users' runs compute them: in a fresh process with the product's code
-# generation, not the suite's -O0 (conftest), which rounds differently.
-TRAJECTORIES = """
-import json, jax
-from runs import run_training
-jax.config.update("jax_numpy_rank_promotion", "raise")
-one, _, _ = run_training("tiny", "", "dp", 10, devices=jax.devices()[:1])
-fsdp_tp, _, _ = run_training("tiny", "fsdp=2,tensor=2", "fsdp_tp", 10, devices=jax.devices()[:4])
-print(json.dumps({"one": one.tolist(), "fsdp=2,tensor=2": fsdp_tp.tolist()}))
-"""
-
-
-@pytest.fixture(scope="module")
-def trajectories():
-    return run_fresh(TRAJECTORIES, devices=4, product_codegen=True)
-
-
-def test_tiny_loss_on_one_device_is_bit_identical(trajectories):
+def test_tiny_loss_on_one_device_is_bit_identical(single_device_run):
     vendor = cpu_vendor()
     if vendor not in ONE_DEVICE:
         pytest.skip(f"no one-device trajectory recorded for a {vendor} CPU")
-    assert trajectories["one"] == ONE_DEVICE[vendor]
+    losses, _, _ = single_device_run
+    assert [float(x) for x in losses] == ONE_DEVICE[vendor]
 
 
-def test_tiny_loss_on_fsdp_tensor_is_bit_identical(trajectories):
-    assert trajectories["fsdp=2,tensor=2"] == PINNED["fsdp=2,tensor=2"]
+def test_tiny_loss_on_fsdp_tensor_is_bit_identical(tiny_cfg, devices):
+    losses, _, _ = run_training(tiny_cfg, "fsdp=2,tensor=2", "fsdp_tp", 10, devices=devices[:4])
+    assert [float(x) for x in losses] == PINNED["fsdp=2,tensor=2"]
 
 
 def test_every_preset_resolves_to_its_recorded_table():

@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_cli import ROOT, spmd_train, train_env
+from test_cli import ROOT, spmd_train
 
 from spmd import checkpoint as ckpt
 
@@ -30,14 +30,12 @@ ARGS = [
 
 
 def start(run_dir, *extra):
-    """The run as spmd_train starts it (its environment: the product's code generation), not waited for."""
     return subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "train.py"), *ARGS, "--run-dir", str(run_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         stdin=subprocess.DEVNULL,
-        env=train_env(),
     )
 
 

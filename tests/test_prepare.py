@@ -2,6 +2,7 @@
 over .txt/.jsonl/.parquet, the manifest and its checks, bad input, and a packed run that samples text."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -241,7 +242,7 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
     2-source mixture on the BPE tokenizer; killed (-9) mid-run and rerun, it ends with the losses
     of the uninterrupted run; eval_loss per source; spmd-sample prints text through the run
     dir's copy of the tokenizer."""
-    from test_cli import ROOT, spmd_train, train_env
+    from test_cli import ROOT, spmd_train
 
     paths = []
     for name, docs in (("code", DOCS[::2]), ("prose", DOCS[1::2])):
@@ -265,7 +266,7 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
     # resumes from step 3 (saved synchronously, so surely committed) to the same losses.
     killed = [sys.executable, str(ROOT / "tests" / "hang_train.py"), *base, "--steps", "6", "--checkpoint-every",
               "3", "--set", "checkpoint.async_save=false", "--run-dir", str(tmp_path / "resumed")]  # fmt: skip
-    env = train_env()
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env |= {"DIE_STEP": "4", "DIE_PROCESS": "0", "HANG_MARK": str(tmp_path / "mark")}
     first = subprocess.run(killed, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == -9, first.stderr[-2000:]
