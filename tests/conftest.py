@@ -1,6 +1,7 @@
 """Strict JAX on 8 fake CPU devices, set before JAX initialises."""
 
 import atexit
+import contextlib
 import json
 import os
 import pathlib
@@ -25,9 +26,47 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax._src import compiler as jax_compiler  # noqa: E402 (its compile options: below)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", 8)
+
+# The CPU programs the test processes compile themselves get XLA:CPU's LLVM code generation at -O0:
+# compilation is ~60% of the suite's time; `tiny`'s first train step (compiled and run) takes
+# 2.3-2.6 s at -O0 against 3.4-3.6 s by default, and the suite 19:54 against 23:30 on an AMD host
+# (docs/performance.md, issue 19, twenty-fourth pass). The level is
+# LLVM's, for the fused kernels' machine code; the optimised HLO (sharding, partitioning, fusion,
+# buffer assignment), which the in-process tests check, is the same at every level. Only the
+# machine code rounds some results differently (multiply-adds not contracted), so what must match
+# users' runs bit for bit compiles as theirs do: the pinned trajectories (`product_codegen()`) and
+# every subprocess (CLI runs, launchers, run_fresh), which this process-local switch does not reach.
+# Per program (a compiler option, as jit's `compiler_options` sets one), not XLA_FLAGS: XLA_FLAGS
+# would reach the subprocesses too, and is read once per process.
+SUITE_CODEGEN = {"xla_backend_optimization_level": 0}
+_codegen = {"product": False}
+_jax_get_compile_options = jax_compiler.get_compile_options
+
+
+def _get_compile_options(*args, env_options_overrides=None, backend=None, **kwargs):
+    cpu = backend is None or backend.platform == "cpu"  # TPU dry-runs compile as they would on TPU
+    if cpu and not _codegen["product"]:
+        env_options_overrides = SUITE_CODEGEN | (env_options_overrides or {})
+    return _jax_get_compile_options(
+        *args, env_options_overrides=env_options_overrides, backend=backend, **kwargs
+    )
+
+
+jax_compiler.get_compile_options = _get_compile_options
+
+
+@contextlib.contextmanager
+def product_codegen():
+    """Compile the CPU programs built inside the block with users' code generation (above)."""
+    before, _codegen["product"] = _codegen["product"], True
+    try:
+        yield
+    finally:
+        _codegen["product"] = before
 
 
 @pytest.fixture(scope="session")
@@ -71,5 +110,7 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session")
 def single_device_run(tiny_cfg):
-    """10 steps of `tiny` on one device: the reference every parallel layout must match."""
-    return run_training(tiny_cfg, "", "dp", 10, devices=jax.devices()[:1])
+    """10 steps of `tiny` on one device: the reference every parallel layout must match (with users'
+    code generation: test_pinned.py compares it bit for bit)."""
+    with product_codegen():
+        return run_training(tiny_cfg, "", "dp", 10, devices=jax.devices()[:1])
