@@ -2,7 +2,7 @@
 
 Legend as in flash_attention.py, and: C the tile length (queries and keys alike), n = S / C key
 chunks, m = T / C query blocks (both padded up), b = B * K (batch and kv heads merged), Q = G * C
-(a kv head's queries of one block, all groups, laid end to end as in models.attention).
+(a kv head's queries of one block, all groups, laid end to end as in spmd.models.attention).
 
 The forward runs a loop over query blocks and, inside it, over the key chunks the block sees: under
 a causal mask only chunks up to the block's diagonal (n (n + 1) / 2 tiles instead of n^2), and only
@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.flash_attention import MASK_VALUE
+from spmd.kernels.flash_attention import MASK_VALUE
 
 
 def dot32(spec, a, b):

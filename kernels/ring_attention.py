@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.chunked_attention import dot32, traced_zero
-from kernels.flash_attention import MASK_VALUE
+from spmd.kernels.chunked_attention import dot32, traced_zero
+from spmd.kernels.flash_attention import MASK_VALUE
 
 LAYOUTS = ("zigzag", "striped", "contiguous")
 
@@ -371,7 +371,7 @@ def _relation(qpos, kpos):
 
 
 def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c, scale, bs, interpret, tpu):
-    from kernels.flash_attention import flash_forward
+    from spmd.kernels.flash_attention import flash_forward
 
     B, T, N, H = q.shape
     t = T // c
@@ -421,7 +421,7 @@ def _flash_ring_forward(q, k, v, qpos, kpos, qseg, kseg, axis_name, n, causal, c
 def _flash_ring_backward(
     q, k, v, qpos, kpos, qseg, kseg, out, lse, dout, axis_name, n, causal, c, scale, bs, interpret, tpu
 ):
-    from kernels.flash_attention import flash_backward
+    from spmd.kernels.flash_attention import flash_backward
 
     q_p, o_p, do_p, lse_p = _split(q, c), _split(out, c), _split(dout, c), _split(lse, c, axis=-1)
     qpos_p = _split(qpos, c)
@@ -526,7 +526,7 @@ def ring_flash_attention(
     dk-dv kernels in the backward). Causal masking is the kernel's (by index), so the layout must
     be zigzag or contiguous (pieces of consecutive positions, `sub_chunks` per device); a block is
     skipped, attended in full, or attended causally by comparing its pieces' positions."""
-    from kernels.flash_attention import BlockSizes
+    from spmd.kernels.flash_attention import BlockSizes
 
     scale = q_BtNH.shape[-1] ** -0.5 if scale is None else float(scale)
     if interpret is None:

@@ -10,8 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.chunked_attention import chunked_attention
-from kernels.flash_attention import flash_attention
+from spmd.kernels.chunked_attention import chunked_attention
+from spmd.kernels.flash_attention import flash_attention
 from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provided, target_platform
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).

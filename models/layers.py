@@ -2,7 +2,7 @@
 with logical axes, RMSNorm, RoPE and the SwiGLU MLP.
 
 Legend: B batch, T sequence, D embed (d_model), N query heads, H head dim, F mlp hidden.
-`cfg` is always a models.llama.ModelConfig.
+`cfg` is always a spmd.models.llama.ModelConfig.
 """
 
 import math

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import attention
-from models.layers import MLP, RMSNorm, param, project, rope, rope_frequencies
-from models.moe import DISPATCHED_AXES, MoE, MoEStats
 from spmd.logical import constrain, is_split, provided
+from spmd.models import attention
+from spmd.models.layers import MLP, RMSNorm, param, project, rope, rope_frequencies
+from spmd.models.moe import DISPATCHED_AXES, MoE, MoEStats
 
 REMAT_POLICIES = {
     "none": None,

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import MLP, param, swiglu
 from spmd.logical import active, constrain, provided, target_platform
+from spmd.models.layers import MLP, param, swiglu
 
 DISPATCHED_AXES = ("act_moe_batch", "act_expert", None, "act_embed")  # B E C D, at the experts
 LOCAL_AXES = ("batch", None, None, "act_embed")  # B E C D, where the tokens came from

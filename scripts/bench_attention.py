@@ -53,8 +53,8 @@ def gpu_throughput(lengths, repeats=10):
     import jax
     import jax.numpy as jnp
 
-    from kernels.flash_attention import flash_attention
-    from models.attention import xla_attention
+    from spmd.kernels.flash_attention import flash_attention
+    from spmd.models.attention import xla_attention
 
     impls = {
         "pallas": lambda q, k, v, c: flash_attention(q, k, v, causal=c),

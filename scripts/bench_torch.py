@@ -130,7 +130,7 @@ def main():
     matmul_params = n - a.vocab_size * a.d_model  # the lookup table is no matmul; norms counted as in JAX
     flops = (
         6 * matmul_params + 6 * a.n_layers * a.seq_len * a.n_heads * a.head_dim
-    )  # as models.llama.flops_per_token
+    )  # as spmd.models.llama.flops_per_token
     print(
         json.dumps(
             {

@@ -35,7 +35,7 @@ def worker(args) -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from models.llama import flops_per_token
+    from spmd.models.llama import flops_per_token
     from spmd.setup import assemble
 
     setup = assemble(args.config, args.mesh, args.rules, overrides=args.set)
@@ -90,9 +90,9 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    from models.llama import count_params
     from spmd.config import load_config
     from spmd.metrics import MATMUL_N, measure_matmul_flops
+    from spmd.models.llama import count_params
 
     cfg = load_config(args.config)
     m = cfg.model

@@ -109,9 +109,9 @@ def jax_train(s: dict):
 def jax_attention(s: dict):
     import jax
 
-    from kernels.chunked_attention import chunked_attention
-    from models.attention import xla_attention
     from spmd import cpu_matmul
+    from spmd.kernels.chunked_attention import chunked_attention
+    from spmd.models.attention import xla_attention
 
     B, T, N, K, H = s["B"], s["T"], s["N"], s["K"], s["H"]
     ks = jax.random.split(jax.random.key(0), 4)
@@ -144,9 +144,9 @@ def jax_moe(s: dict):
     import jax
     from flax import nnx
 
-    from models.moe import MoE
     from spmd import cpu_matmul
     from spmd.config import load_config
+    from spmd.models.moe import MoE
 
     cfg = load_config("small-moe", [f"model.moe_dispatch={s['impl']}", "model.dtype=float32"]).model
     with nnx.use_eager_sharding(False):

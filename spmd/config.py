@@ -9,15 +9,15 @@ import dataclasses
 import pathlib
 import typing
 
-from models.llama import ModelConfig
 from spmd import presets as presets_lib
 from spmd.cpu_matmul import CPU_MATMUL
 from spmd.dataparallel import GRAD_REDUCE
 from spmd.errors import UserError, closest
 from spmd.hostmem import HOST_HEAP
+from spmd.models.llama import ModelConfig
 from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = presets_lib.folder("configs")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ import functools
 import jax
 import numpy as np
 
-from kernels import ring_attention as ring
-from kernels.chunked_attention import traced_zero
+from spmd.kernels import ring_attention as ring
+from spmd.kernels.chunked_attention import traced_zero
 from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, split_axes, split_size
 from spmd.logical import active as active_sharding
 from spmd.mesh import axes_size, format_axes, platform_of

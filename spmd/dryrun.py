@@ -52,8 +52,8 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     the embedding lookup forward and the logits' input gradient backward; pipeline parallelism
     sends each microbatch's (b, T, D) activations to the next stage once per repeat, forward, and
     their gradients back."""
-    from models.llama import layer_groups
-    from models.moe import dispatched_shape
+    from spmd.models.llama import layer_groups
+    from spmd.models.moe import dispatched_shape
 
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
@@ -233,7 +233,7 @@ def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
     """Roofline step time: compute at `hw["peak"]` (stretched by a pipeline's bubble: each stage
     idles (S-1)/(M R + S-1) of the step) plus each axis's bytes (default: the analytic minimum)
     over its link, ICI or, for the outermost axes spanning `dcn` hosts, DCN."""
-    from models.llama import flops_per_token
+    from spmd.models.llama import flops_per_token
 
     sizes = dict(plan.mesh.shape)
     compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
@@ -306,9 +306,9 @@ _COMPILE_ONLY_CACHE_READ = (
 def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
-    from models.llama import flops_per_token
     from spmd import explain as explain_lib
     from spmd import hlo
+    from spmd.models.llama import flops_per_token
 
     cfg, mesh, rules, plan, trainer = setup.cfg, setup.mesh, setup.rules, setup.plan, setup.trainer
     B, T = cfg.train.global_batch_size, cfg.train.seq_len

@@ -72,7 +72,7 @@ def _param_shapes(plan, axes) -> list[tuple]:
             stacked = bool(p.logical) and p.logical[0] == "layers" and len(shape) > 1
             lead, body = (shape[:1], shape[1:]) if stacked else ((), shape)
             shapes = [shape] + ([body] if stacked else [])  # the stack, and one layer inside the scan
-            # Projections run flattened to 2-D (models.layers.project); the layers dim stays apart.
+            # Projections run flattened to 2-D (spmd.models.layers.project); the layers dim stays apart.
             for k in range(1, len(body)):
                 flat = (math.prod(body[:k]), math.prod(body[k:]))
                 shapes += [lead + flat] + ([flat] if stacked else [])
@@ -193,7 +193,7 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         shapes = tuple(s[1:] if len(s) > 1 and s[0] == 1 else s for s in shapes)
     dispatched = 0  # elements of the (B, E, C, D) tokens dispatched to the experts, per device
     if getattr(cfg.model, "n_experts", 0):
-        from models.moe import dispatched_shape
+        from spmd.models.moe import dispatched_shape
 
         dispatched = math.prod(dispatched_shape(cfg.model, B, cfg.train.seq_len))
     for shape in shapes:

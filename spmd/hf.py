@@ -27,8 +27,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from models.llama import ModelConfig, layer_groups
 from spmd.errors import UserError
+from spmd.models.llama import ModelConfig, layer_groups
 from spmd.sharding import path_str
 
 CONFIG = "config.json"
@@ -257,7 +257,7 @@ class Tensor:
 
 
 def _layer_names(cfg: ModelConfig) -> tuple[Callable[[int], int], Callable[[int], int]]:
-    """HF layer index of our dense layer i and of our MoE layer g (see models.llama.layer_groups)."""
+    """HF layer index of our dense layer i and of our MoE layer g (see spmd.models.llama.layer_groups)."""
     _, dense_per_group, has_moe = layer_groups(cfg)
     per_group = dense_per_group + has_moe
     return (

@@ -15,11 +15,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.llama import KV_CACHE_AXES, KVCache
 from spmd import checkpoint as ckpt
 from spmd.config import config_from_json
 from spmd.errors import UserError
 from spmd.mesh import axes_size, platform_of
+from spmd.models.llama import KV_CACHE_AXES, KVCache
 from spmd.rules import load_rules
 from spmd.setup import Setup, assemble
 from spmd.sharding import path_str

@@ -27,10 +27,10 @@ TOKEN_AXES = ("batch", "seq", None)
 
 def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, *, reference, experts):
     """The dropless MoE on the active mesh. `reference(x_TD, experts_Tk, weights_Tk, w_gate, w_up,
-    w_down)` is the model's single-device computation (models.moe.dropless_reference), run where
+    w_down)` is the model's single-device computation (spmd.models.moe.dropless_reference), run where
     the experts are not split; `experts(x_MD, sizes_E, w_gate, w_up, w_down)` its grouped SwiGLU
-    (models.moe.grouped_swiglu) on rows sorted by local expert. Both handed in so that this module
-    needs nothing from models/."""
+    (spmd.models.moe.grouped_swiglu) on rows sorted by local expert. Both handed in so that this module
+    needs nothing from spmd.models/."""
     rules, mesh = active_sharding()
     expert_axes, tensor_axes = split_axes(rules, mesh, "expert"), split_axes(rules, mesh, "mlp")
     n = axes_size(mesh.shape, expert_axes)

@@ -6,6 +6,13 @@ import tomllib
 from spmd.errors import UserError, closest
 
 
+def folder(name: str) -> pathlib.Path:
+    """A preset folder (configs, sharding_rules): inside the installed package, or at the top of
+    a source tree (the same folder: pyproject maps it into the wheel)."""
+    here = pathlib.Path(__file__).resolve().parent
+    return here / name if (here / name).is_dir() else here.parent / name
+
+
 def names(directory: pathlib.Path) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.toml"))
 

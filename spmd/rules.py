@@ -22,7 +22,7 @@ from spmd import presets as presets_lib
 from spmd.errors import UserError, closest
 from spmd.mesh import MESH_AXES, axes_size, format_axes, spec_axes
 
-PRESET_DIR = pathlib.Path(__file__).resolve().parent.parent / "sharding_rules"
+PRESET_DIR = presets_lib.folder("sharding_rules")
 
 # Every logical axis name the product knows. Models use a subset; a rules file may map names a
 # given model does not use (an MoE preset maps `expert`), but never a name outside this list.

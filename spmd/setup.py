@@ -20,13 +20,13 @@ from collections.abc import Sequence
 
 import jax
 
-from models import attention
-from models.llama import Decoder
 from spmd import hostmem, memory
 from spmd import sharding as sharding_lib
 from spmd.config import Config, TrainConfig, apply_overrides, load_config
 from spmd.errors import UserError
 from spmd.mesh import axes_size, build_mesh, platform_of
+from spmd.models import attention
+from spmd.models.llama import Decoder
 from spmd.rules import Rules, load_rules
 from spmd.train import Trainer, build_eval_step, build_trainer
 

@@ -78,7 +78,7 @@ class ParamInfo:
 @dataclasses.dataclass
 class ShardingPlan:
     model_cls: type  # the NNX module class the plan was made for
-    model_cfg: object  # its config (models.llama.ModelConfig)
+    model_cfg: object  # its config (spmd.models.llama.ModelConfig)
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
     graphdef: nnx.GraphDef

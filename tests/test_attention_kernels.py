@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import run_training
 
-from kernels.chunked_attention import chunked_attention_with_lse
-from kernels.flash_attention import BlockSizes, attention_reference, flash_attention_with_lse
-from models import attention
 from spmd import cpu_matmul
 from spmd import hlo as hlo_lib
 from spmd.config import load_config
+from spmd.kernels.chunked_attention import chunked_attention_with_lse
+from spmd.kernels.flash_attention import BlockSizes, attention_reference, flash_attention_with_lse
+from spmd.models import attention
 
 BLOCKS = BlockSizes(16, 16, 16, 16)
 IMPLS = {
@@ -143,7 +143,7 @@ def test_xla_causal_query_blocks_match_reference(groups, segments, T):
 
 
 def test_cpu_attention_backward_matches_autodiff():
-    """models.attention.softmax_attention_cpu (the merged layout's attention on CPU, with its own
+    """spmd.models.attention.softmax_attention_cpu (the merged layout's attention on CPU, with its own
     backward): forward bit-identical to the plain form; in fp32 its gradients equal autodiff's to
     rounding; in bf16 their error against an fp32 computation stays at bf16 rounding (ds is rounded
     to bf16 before its dots, as flash attention does). Compiled as train steps are on CPU (dots in

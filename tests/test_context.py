@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from test_dryrun import report
 
-from kernels import ring_attention as ring
-from kernels.flash_attention import attention_reference
-from models.attention import xla_attention
 from spmd import context, hlo
 from spmd.config import AttentionConfig
+from spmd.kernels import ring_attention as ring
+from spmd.kernels.flash_attention import attention_reference
 from spmd.mesh import build_mesh
+from spmd.models.attention import xla_attention
 from spmd.rules import load_rules
 from spmd.sharding import activate
 
@@ -87,7 +87,7 @@ def test_forward_and_gradients_equal_one_device(devices, mode, n):
 def test_ring_with_pallas_blocks_equals_one_device(devices, n, causal, with_segments, tpu):
     """The ring computing each block with the flash kernel (interpret mode here): fwd and grads;
     `tpu`: the kernel in its TPU block layout (what runs on TPU; the AOT compile is in test_topology)."""
-    from kernels.flash_attention import BlockSizes
+    from spmd.kernels.flash_attention import BlockSizes
 
     rng = np.random.default_rng([n, causal, with_segments, tpu])
     B, T, K, G, H = 2, 64, 2, 2, 16

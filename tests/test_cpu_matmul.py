@@ -116,8 +116,8 @@ def test_onednn_gets_the_flash_backward_right_with_individual_dots_and_wrong_wit
     of zeros and a wrong dk; with the individual dots train.cpu_matmul=onednn asks for, the same
     gradient as XLA's own libraries, so Pallas programs use oneDNN like the rest. When the fused
     form starts computing it right, the pin below fails: see spmd/cpu_matmul.py, _ONEDNN."""
-    from kernels.flash_attention import BlockSizes, flash_backward, flash_forward
     from spmd import cpu_matmul
+    from spmd.kernels.flash_attention import BlockSizes, flash_backward, flash_forward
 
     assert cpu_matmul.compiler_options("onednn", "cpu") is not None
     assert (
@@ -172,8 +172,8 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
     libraries.)"""
     from flax import nnx
 
-    from models.llama import Decoder, ModelConfig
     from spmd import cpu_matmul
+    from spmd.models.llama import Decoder, ModelConfig
     from spmd.sharding import init_params
 
     cfg = ModelConfig(
@@ -266,8 +266,8 @@ def test_individual_onednn_dots_are_right_where_xla_gets_fused_ones_wrong(op, K,
 def test_chunked_attention_compiles_to_plain_onednn_dots():
     """The chunked kernel's dots run in oneDNN, each alone (no elementwise work fused in: what
     train.cpu_matmul=onednn asks XLA for), forward and backward over 4 tiles."""
-    from kernels.chunked_attention import chunked_attention
     from spmd import cpu_matmul
+    from spmd.kernels.chunked_attention import chunked_attention
 
     q = jax.numpy.ones((1, 1024, 4, 32))
     k = v = jax.numpy.ones((1, 1024, 2, 32))

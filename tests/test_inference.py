@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from test_cli import ROOT, spmd_train
 
-from models.llama import Decoder, KVCache, ModelConfig
+from spmd.models.llama import Decoder, KVCache, ModelConfig
 from spmd.sharding import abstract_model, init_params
 
 CFG = ModelConfig(dtype="float32")

@@ -1,21 +1,52 @@
-"""The package's structure holds: no import cycles (function-local imports count), models/ reach
-spmd/ only through the seam (spmd.logical), commands share only public names, and nothing but
-spmd/setup.py assembles a run."""
+"""The package's structure holds: one top-level import name, no import cycles (function-local
+imports count), models/ reach spmd/ only through the seam (spmd.logical), commands share only
+public names, and nothing but spmd/setup.py assembles a run."""
 
 import ast
 import pathlib
+import subprocess
+import sys
+import tomllib
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("spmd", "models", "kernels")
+# The repository's code folders and the import names they install as (pyproject's package-dir).
+PACKAGES = {"spmd": "spmd", "models": "spmd.models", "kernels": "spmd.kernels"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
     mods = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            name = ".".join((package, *path.relative_to(ROOT / folder).with_suffix("").parts))
             mods[name.removesuffix(".__init__")] = path
     return mods
+
+
+def test_every_code_folder_is_a_listed_package():
+    """pyproject lists its packages by hand (package-dir renames two folders): each folder that
+    holds Python code must be among them, under the name it imports as, or a wheel would lack it."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    code = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert code <= listed, sorted(code - listed)
+
+
+def test_the_wheel_installs_one_top_level_name_with_every_module_and_preset(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        (top,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+        assert z.read(top).decode().split() == ["spmd"]
+    expected = {
+        "/".join(m.split(".")) + ("/__init__.py" if p.name == "__init__.py" else ".py")
+        for m, p in _modules().items()
+    }
+    assert expected <= names, sorted(expected - names)
+    assert "spmd/configs/small.toml" in names and "spmd/sharding_rules/fsdp_tp.toml" in names
 
 
 def _imports(path: pathlib.Path, mods) -> list[tuple[str, list[str]]]:
@@ -56,7 +87,10 @@ def test_no_import_cycles():
 
 def test_models_reach_spmd_only_through_the_seam():
     graph = _graph()
-    used = {d for m, deps in graph.items() if m.startswith("models") for d in deps if d.startswith("spmd")}
+    used = {
+        d for m, deps in graph.items() if m.startswith("spmd.models") for d in deps
+        if d.startswith("spmd") and not d.startswith(("spmd.models", "spmd.kernels"))
+    }  # fmt: skip
     assert used == {"spmd.logical"}
 
 

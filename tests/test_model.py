@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.attention import xla_attention
-from models.llama import Decoder, ModelConfig, count_params, flops_per_token
+from spmd.models.attention import xla_attention
+from spmd.models.llama import Decoder, ModelConfig, count_params, flops_per_token
 from spmd.sharding import init_params
 
 CFG = ModelConfig(dtype="float32")
@@ -116,10 +116,10 @@ def test_scan_unroll_changes_nothing_numerically():
 
 
 def test_swiglu_low_precision_backward_is_the_fp32_derivative_rounded_once():
-    """models.layers.swiglu in bf16 (its own backward, fp32 inside): output and gradients equal
+    """spmd.models.layers.swiglu in bf16 (its own backward, fp32 inside): output and gradients equal
     the fp32 computation on the same bf16 inputs to one bf16 rounding, closer than autodiff of
     the plain bf16 form; in fp32 it is the plain form, bit for bit."""
-    from models.layers import swiglu
+    from spmd.models.layers import swiglu
 
     rng = np.random.default_rng()
     gate, up = (jnp.asarray(rng.normal(size=(64, 96)) * s, jnp.float32) for s in (3.0, 1.0))
@@ -155,11 +155,11 @@ def test_swiglu_low_precision_backward_is_the_fp32_derivative_rounded_once():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rope_backward_is_the_rotation_back(dtype):
-    """models.layers.rope (its own backward: the rotation by the negated angle): output bit for bit
+    """spmd.models.layers.rope (its own backward: the rotation by the negated angle): output bit for bit
     the plain formula's, gradient equal to autodiff's of it (fp32 to rounding; bf16 to one bf16
     rounding)."""
-    from models.layers import rope, rope_frequencies
     from spmd.config import load_config
+    from spmd.models.layers import rope, rope_frequencies
 
     rng = np.random.default_rng()
     cfg = load_config("tiny").model

@@ -12,10 +12,10 @@ import pytest
 from conftest import run_training
 from flax import nnx
 
-from models.llama import Decoder, count_params
-from models.moe import GROUP_TILE, MoE, dispatch_masks, grouped_swiglu, route
 from spmd import dryrun, hlo
 from spmd.config import load_config
+from spmd.models.llama import Decoder, count_params
+from spmd.models.moe import GROUP_TILE, MoE, dispatch_masks, grouped_swiglu, route
 from spmd.setup import assemble
 
 LOGITS = np.array(
@@ -171,7 +171,7 @@ def test_errors(devices):
 
 
 def test_decoder_with_moe_decodes_like_full_forward():
-    from models.llama import KVCache
+    from spmd.models.llama import KVCache
 
     cfg = dataclasses.replace(
         load_config("tiny-moe").model, capacity_factor=4.0

@@ -246,8 +246,8 @@ def test_pallas_flash_attention_compiles_for_tpu(T, groups, causal):
     import jax
     import jax.numpy as jnp
 
-    from kernels.flash_attention import flash_attention
     from spmd import topology
+    from spmd.kernels.flash_attention import flash_attention
 
     chip = topology.devices("v5p:2x2x1")[0]
     on = jax.sharding.SingleDeviceSharding(chip)

@@ -301,10 +301,10 @@ def describe_run(
     `init_from`: where --init-from took the parameters (kept with every checkpoint's metadata)."""
     import jax
 
-    from models.llama import count_params, flops_per_token
     from spmd import hostmem
     from spmd.mesh import format_mesh
     from spmd.metrics import peak_flops
+    from spmd.models.llama import count_params, flops_per_token
     from spmd.sharding import fmt_bytes, tree_bytes_per_device
 
     cfg, plan = setup.cfg, setup.plan
