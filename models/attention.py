@@ -1,4 +1,5 @@
-"""Attention implementations, selected by `ModelConfig.attention_impl`.
+"""Attention implementations, selected by a model config's `attention_impl` (`auto` is resolved for
+the devices once, by spmd.policy, before a model is built).
 
 Legend: B batch, T query positions, S key positions, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, Q = G * T (a kv head's queries, all groups),
@@ -14,8 +15,6 @@ from spmd.kernels.chunked_attention import chunked_attention
 from spmd.kernels.flash_attention import flash_attention
 from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provided, target_platform
 
-# On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
-CHUNKED_FROM = 1024
 # Causal self-attention in plain XLA runs as query blocks, each against the keys up to its end, so
 # the masked upper triangle of blocks is never computed: n blocks do (n+1)/2n of the full work.
 # Each block is one more attention in the program (its own slices of the keys and values, converts
@@ -280,32 +279,43 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None)
     return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True, segment_ids_BT=segment_ids_BT)
 
 
-CHOICES = (*ATTENTION_IMPLS, "auto")
+def self_attention(
+    q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, kv=None, segment_ids_BT=None, order_BT=None
+):
+    """A layer's attention over its new queries, keys and values (after any rotary embedding):
+    (output BTNH, the updated cache's (k_BKSH, v_BKSH), or None in training).
 
-
-def resolve(name: str, seq_len: int, platform: str | None = None) -> str:
-    """The implementation `name` runs as: `auto` is the Pallas flash kernel on GPU (Triton) and TPU
-    (Mosaic: `pallas_tpu`, its TPU block layout), else chunked from CHUNKED_FROM positions and xla
-    below. Raises ValueError where the choice cannot run."""
-    platform = platform or jax.devices()[0].platform
-    if platform == "tpu" and name in ("auto", "pallas"):
-        return "pallas_tpu"  # the kernel's Mosaic block layout
-    if name == "auto":
-        return (
-            "pallas"
-            if platform in ("gpu", "cuda", "rocm")
-            else ("chunked" if seq_len >= CHUNKED_FROM else "xla")
+    kv: None (training: causal over this sequence, `impl` an entry of ATTENTION_IMPLS), or
+    (k_BKSH, v_BKSH, positions_BS, index) of a cache: the new keys and values are written at
+    `index` and attended with the cache. segment_ids_BT (training): packed documents; a token
+    attends only within its own segment, and positions restart at each document, so order_BT
+    gives each token's index in the sequence for masks that compare positions (context
+    parallelism)."""
+    if kv is None:
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention implementation {impl!r}: `auto` is resolved for the devices when a run is "
+                f"assembled (spmd.setup); a model built by hand takes one of {', '.join(ATTENTION_IMPLS)}"
+            )
+        out_BTNH = attend(
+            q_BTNH, k_BTKH, v_BTKH, positions_BT if order_BT is None else order_BT, impl, segment_ids_BT
         )
-    return name
+        return out_BTNH, None
+    dt = q_BTNH.dtype
+    k_BKSH, v_BKSH, positions_BS, index = kv
+    k_BKSH = jax.lax.dynamic_update_slice_in_dim(k_BKSH, k_BTKH.swapaxes(1, 2).astype(k_BKSH.dtype), index, 2)
+    v_BKSH = jax.lax.dynamic_update_slice_in_dim(v_BKSH, v_BTKH.swapaxes(1, 2).astype(v_BKSH.dtype), index, 2)
+    # The updated caches made once, in place: else XLA fuses the cheap update into the
+    # attention's read as well and copies the whole cache for the second one.
+    k_BKSH, v_BKSH = jax.lax.optimization_barrier((k_BKSH, v_BKSH))
+    out_BTNH = xla_attention(
+        q_BTNH,
+        k_BKSH.swapaxes(1, 2).astype(dt),  # (B, S, K, H) views: XLA folds the transposes
+        v_BKSH.swapaxes(1, 2).astype(dt),
+        q_positions_BT=positions_BT,
+        k_positions_BS=positions_BS,
+    )
+    return out_BTNH, (k_BKSH, v_BKSH)
 
 
-def describe(name: str, seq_len: int, platform: str | None = None) -> str:
-    platform = platform or jax.devices()[0].platform
-    impl = resolve(name, seq_len, platform)
-    note = {
-        "pallas": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Triton)",
-        "pallas_tpu": " (interpret mode on CPU: slow, for tests)" if platform == "cpu" else " (Mosaic)",
-        "chunked": " (O(T) memory)",
-        "xla": "",
-    }[impl]
-    return (f"{name} -> {impl}" if name != impl else impl) + note
+CHOICES = (*ATTENTION_IMPLS, "auto")

@@ -2,7 +2,7 @@
 with logical axes, RMSNorm, RoPE and the SwiGLU MLP.
 
 Legend: B batch, T sequence, D embed (d_model), N query heads, H head dim, F mlp hidden.
-`cfg` is always a spmd.models.llama.ModelConfig.
+`cfg` is a model family's config (spmd.family): d_model, d_ff, init_std, param_dtype, norm_eps, ... .
 """
 
 import math
@@ -40,7 +40,7 @@ def param(rngs, cfg, shape, logical, std=None, compute_cast=True):
 
     `compute_cast`: whether the model casts it to the compute dtype where it uses it (then its
     gradient leaves the matmuls in that dtype, and is reduced across devices in it); declared for
-    the communication bound in spmd/dryrun.py, which reads it as the optimizer reads weight_decay."""
+    the communication bound in spmd/aot.py, which reads it as the optimizer reads weight_decay."""
     init = nnx.initializers.normal(cfg.init_std if std is None else std)
     value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
     return nnx.Param(value, out_sharding=logical, compute_cast=compute_cast)

@@ -18,6 +18,7 @@ The router's auxiliary losses: load balance E * sum_e f_e P_e (Switch/GShard; f_
 token-choices sent to e, P_e the mean router probability of e) and z-loss mean(logsumexp(logits)^2).
 """
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -25,11 +26,81 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd.family import Aux
 from spmd.logical import active, constrain, provided, target_platform
 from spmd.models.layers import MLP, param, swiglu
 
+ROUTER_SCORES = ("softmax", "sigmoid")
+DISPATCH = ("capacity", "dropless")
+
 DISPATCHED_AXES = ("act_moe_batch", "act_expert", None, "act_embed")  # B E C D, at the experts
 LOCAL_AXES = ("batch", None, None, "act_embed")  # B E C D, where the tokens came from
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The `[moe]` table: a model whose config has one is a mixture of experts (absent: dense)."""
+
+    n_experts: int = 8
+    top_k: int = 2  # experts per token
+    every: int = 1  # every every-th layer is MoE (1: all of them)
+    d_ff_expert: int = 0  # each expert's hidden size; 0: model.d_ff
+    n_shared_experts: int = 0  # always-on experts (DeepSeek), as one SwiGLU of n x d_ff_expert
+    router_score: str = "softmax"  # softmax | sigmoid
+    normalize_top_k: bool = True  # the k chosen weights rescaled to sum to 1 (Qwen3-MoE: norm_topk_prob)
+    dispatch: str = "capacity"  # capacity (GShard einsums, drops past capacity) | dropless (ragged_dot)
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01  # load-balancing loss weight
+    router_z_loss_coef: float = 0.001
+
+    def check(self, n_layers: int) -> list[str]:
+        problems = []
+        if self.n_experts < 1:
+            problems.append(f"moe.n_experts must be positive, got {self.n_experts}")
+        elif not 1 <= self.top_k <= self.n_experts:
+            problems.append(
+                f"moe.top_k ({self.top_k}) must be between 1 and moe.n_experts ({self.n_experts})"
+            )
+        if self.n_shared_experts < 0 or self.d_ff_expert < 0:
+            problems.append("moe.n_shared_experts and moe.d_ff_expert must be >= 0")
+        if self.every < 1 or n_layers % self.every:
+            problems.append(f"model.n_layers ({n_layers}) must be a multiple of moe.every ({self.every})")
+        if self.router_score not in ROUTER_SCORES:
+            problems.append(f"moe.router_score must be softmax or sigmoid, got {self.router_score!r}")
+        if self.dispatch not in DISPATCH:
+            problems.append(f"moe.dispatch must be capacity or dropless, got {self.dispatch!r}")
+        if not 0 < self.capacity_factor < float("inf"):
+            problems.append(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
+        for key in ("aux_loss_coef", "router_z_loss_coef"):
+            if not 0 <= getattr(self, key) < float("inf"):
+                problems.append(f"moe.{key} must be a finite number >= 0, got {getattr(self, key)}")
+        return problems
+
+
+# The MoE layer's auxiliary outputs (spmd.family.Aux): its losses, weighted by the config's
+# coefficients, and the counts its metrics are made of.
+AUX_LOSSES = {"moe_aux_loss": "aux_loss_coef", "moe_router_z_loss": "router_z_loss_coef"}
+
+
+def aux_weights(cfg) -> dict[str, float]:
+    """Each auxiliary loss's weight in the training loss (none for a dense model)."""
+    moe = getattr(cfg, "moe", None)
+    return {} if moe is None else {name: getattr(moe, key) for name, key in AUX_LOSSES.items()}
+
+
+def aux_metrics(sums: dict, count):
+    """Logged metrics from the summed statistics of a step (the trainer's sums: each loss's mean
+    times the counted tokens, and the layers' counts)."""
+    if "moe_choices" not in sums:
+        return {}
+    return {
+        "moe_aux_loss": sums["moe_aux_loss"] / count,
+        "moe_router_z_loss": sums["moe_router_z_loss"] / count,
+        "moe_dropped_fraction": jnp.sum(sums["moe_dropped"]) / jnp.sum(sums["moe_choices"]),
+        # token-choices routed to the least and the most loaded expert of any MoE layer
+        "moe_expert_load_min": jnp.min(sums["moe_load_E"]),
+        "moe_expert_load_max": jnp.max(sums["moe_load_E"]),
+    }
 
 
 class Routing(NamedTuple):
@@ -39,23 +110,8 @@ class Routing(NamedTuple):
     z_loss: jax.Array  # scalar: router z-loss
 
 
-class MoEStats(NamedTuple):
-    """Per MoE layer, summed over the batch (the trainer turns them into metrics)."""
-
-    aux_loss: jax.Array
-    z_loss: jax.Array
-    dropped: jax.Array  # token-choices dropped at capacity
-    choices: jax.Array  # token-choices routed
-    load_E: jax.Array  # token-choices routed to each expert (before capacity)
-
-    def of_microbatches(self, n: int) -> "MoEStats":
-        """The stats of a batch run as n microbatches, from their sums over the microbatches: the
-        losses (each a mean over its microbatch) averaged, the counts kept as sums."""
-        return self._replace(aux_loss=self.aux_loss / n, z_loss=self.z_loss / n)
-
-
-def route(logits_BTE, top_k: int, score: str = "softmax") -> Routing:
-    """Top-k routing from router logits (fp32)."""
+def route(logits_BTE, top_k: int, score: str = "softmax", normalize: bool = True) -> Routing:
+    """Top-k routing from router logits (fp32); `normalize`: the k weights rescaled to sum to 1."""
     E = logits_BTE.shape[-1]
     logits_BTE = logits_BTE.astype(jnp.float32)
     if score == "softmax":
@@ -65,7 +121,7 @@ def route(logits_BTE, top_k: int, score: str = "softmax") -> Routing:
         scores_BTE = jax.nn.sigmoid(logits_BTE)
         probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
     top_BTk, experts_BTk = jax.lax.top_k(scores_BTE, top_k)
-    weights_BTk = top_BTk / jnp.sum(top_BTk, axis=-1, keepdims=True)
+    weights_BTk = top_BTk / jnp.sum(top_BTk, axis=-1, keepdims=True) if normalize else top_BTk
     chosen_BTE = jnp.sum(jax.nn.one_hot(experts_BTk, E, dtype=jnp.float32), axis=2)
     f_E = jnp.mean(chosen_BTE, axis=(0, 1)) / top_k
     P_E = jnp.mean(probs_BTE, axis=(0, 1))
@@ -80,7 +136,8 @@ def capacity(T: int, E: int, top_k: int, capacity_factor: float) -> int:
 
 def dispatched_shape(cfg, B: int, T: int) -> tuple[int, int, int, int]:
     """(B, E, C, D): the tokens of B sequences of T dispatched to the experts (capacity path)."""
-    return B, cfg.n_experts, capacity(T, cfg.n_experts, cfg.top_k, cfg.capacity_factor), cfg.d_model
+    moe = cfg.moe
+    return B, moe.n_experts, capacity(T, moe.n_experts, moe.top_k, moe.capacity_factor), cfg.d_model
 
 
 def dispatch_masks(experts_BTk, weights_BTk, E: int, C: int):
@@ -100,28 +157,28 @@ def dispatch_masks(experts_BTk, weights_BTk, E: int, C: int):
 class MoE(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        D, E, F = cfg.d_model, cfg.n_experts, cfg.d_ff_expert or cfg.d_ff
+        D, E, F = cfg.d_model, cfg.moe.n_experts, cfg.moe.d_ff_expert or cfg.d_ff
         self.router_DE = param(rngs, cfg, (D, E), ("embed", "expert"))
         self.w_gate_EDF = param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
         self.w_up_EDF = param(rngs, cfg, (E, D, F), ("expert", "embed", "mlp"))
         self.w_down_EFD = param(
             rngs, cfg, (E, F, D), ("expert", "mlp", "embed"), std=cfg.init_std / (2 * cfg.n_layers) ** 0.5
         )
-        if cfg.n_shared_experts:  # one dense SwiGLU of the shared experts' total width
-            self.shared = MLP(cfg, rngs=rngs, d_ff=cfg.n_shared_experts * F)
+        if cfg.moe.n_shared_experts:  # one dense SwiGLU of the shared experts' total width
+            self.shared = MLP(cfg, rngs=rngs, d_ff=cfg.moe.n_shared_experts * F)
 
     def __call__(self, x_BTD):
-        cfg, dt = self.cfg, x_BTD.dtype
+        moe, dt = self.cfg.moe, x_BTD.dtype
         B, T, _ = x_BTD.shape
-        E, k = cfg.n_experts, cfg.top_k
+        E, k = moe.n_experts, moe.top_k
         logits_BTE = jnp.einsum(
             "BTD,DE->BTE", x_BTD, self.router_DE[...].astype(dt), preferred_element_type=jnp.float32
         )
-        r = route(logits_BTE, k, cfg.router_score)
+        r = route(logits_BTE, k, moe.router_score, moe.normalize_top_k)
         w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD))
         load_E = jnp.sum(jax.nn.one_hot(r.experts_BTk, E, dtype=jnp.int32), axis=(0, 1, 2))
-        if cfg.moe_dispatch == "capacity":
-            C = capacity(T, E, k, cfg.capacity_factor)
+        if moe.dispatch == "capacity":
+            C = capacity(T, E, k, moe.capacity_factor)
             dispatch_BTEC, combine_BTEC, keep_BkTE = dispatch_masks(r.experts_BTk, r.weights_BTk, E, C)
             # Dispatch where the tokens are, then move them to their experts' devices: pinning both
             # layouts makes the move (and its transpose in the backward) one all-to-all each way.
@@ -134,16 +191,17 @@ class MoE(nnx.Module):
         else:
             out_BTD = dropless(x_BTD, r.experts_BTk, r.weights_BTk, w_gate, w_up, w_down)
             dropped = jnp.zeros((), jnp.int32)
-        if cfg.n_shared_experts:
+        if moe.n_shared_experts:
             out_BTD = out_BTD + self.shared(x_BTD)
-        stats = MoEStats(
-            r.aux_loss,
-            r.z_loss,
-            dropped.astype(jnp.float32),
-            jnp.float32(B * T * k),
-            load_E.astype(jnp.float32),
+        aux = Aux(
+            {"moe_aux_loss": r.aux_loss, "moe_router_z_loss": r.z_loss},
+            {
+                "moe_dropped": dropped.astype(jnp.float32),
+                "moe_choices": jnp.float32(B * T * k),
+                "moe_load_E": load_E.astype(jnp.float32),
+            },
         )
-        return out_BTD.astype(dt), stats
+        return out_BTD.astype(dt), aux
 
 
 def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
@@ -159,7 +217,7 @@ def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
 
 def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
     """The dropless path: on one device the reference below; with sharding rules active, the
-    expert-parallel exchange handed in through the seam (spmd/moe.py), which runs the reference on
+    expert-parallel exchange handed in through the seam (spmd/expert_parallel.py), which runs the reference on
     each device's tokens and experts."""
     if active() is not None:
         return provided("dropless_moe")(

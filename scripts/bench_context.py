@@ -30,7 +30,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from spmd import dryrun  # noqa: E402
+from spmd import aot  # noqa: E402
 from spmd.setup import assemble  # noqa: E402
 from spmd.sharding import fmt_bytes  # noqa: E402
 
@@ -57,7 +57,7 @@ def setup_for(T, n, rules, batch=1, impl="chunked"):
 def peak_bytes(T, n):
     trainer = setup_for(T, n, "cp_ring" if n > 1 else "dp").trainer
     compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch(1, T)).compile()
-    return dryrun.peak_bytes(compiled.memory_analysis())
+    return aot.peak_bytes(compiled.memory_analysis())
 
 
 def memory_table(budget, lengths):

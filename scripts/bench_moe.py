@@ -21,10 +21,10 @@ from bench_train import run_json  # noqa: E402
 CASES = [  # (label, config, devices, mesh, rules, --set)
     ("small (dense), 1 device", "small", 1, "", "dp", []),
     ("small-moe capacity, 1 device", "small-moe", 1, "", "dp", []),
-    ("small-moe dropless, 1 device", "small-moe", 1, "", "dp", ["model.moe_dispatch=dropless"]),
+    ("small-moe dropless, 1 device", "small-moe", 1, "", "dp", ["moe.dispatch=dropless"]),
     ("small (dense), 8 dev data=8", "small", 8, "data=8", "dp", []),
     ("small-moe capacity, 8 dev expert=8", "small-moe", 8, "expert=8", "ep", []),
-    ("small-moe dropless, 8 dev expert=8", "small-moe", 8, "expert=8", "ep", ["model.moe_dispatch=dropless"]),
+    ("small-moe dropless, 8 dev expert=8", "small-moe", 8, "expert=8", "ep", ["moe.dispatch=dropless"]),
 ]
 
 

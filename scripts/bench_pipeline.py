@@ -38,7 +38,7 @@ def main() -> None:
 
     import jax
 
-    from spmd.dryrun import dry_run
+    from spmd.aot import dry_run
     from spmd.setup import assemble
     from spmd.sharding import fmt_bytes
 

@@ -61,7 +61,7 @@ def main() -> None:
     from spmd.errors import UserError
     from spmd.setup import assemble, before_jax_starts
 
-    # train.host_heap as spmd-train sets it (after jax_platforms, which it reads): without it
+    # cpu.host_heap as spmd-train sets it (after jax_platforms, which it reads): without it
     # every window faults the steps' temporaries in again and the variants' ratios shrink.
     before_jax_starts(args.config, args.set, may_relaunch=True)
 

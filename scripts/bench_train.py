@@ -35,7 +35,6 @@ def worker(args) -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from spmd.models.llama import flops_per_token
     from spmd.setup import assemble
 
     setup = assemble(args.config, args.mesh, args.rules, overrides=args.set)
@@ -58,7 +57,7 @@ def worker(args) -> None:
                 "tokens_per_sec": tok_s,
                 "step_time": step_time,
                 "dtype": cfg.model.dtype,
-                "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
+                "flops_per_token": setup.plan.family.figures(cfg.model, cfg.train.seq_len).flops_per_token,
                 "loss": float(metrics["loss"]),
             }
         )
@@ -92,7 +91,6 @@ def main() -> None:
     jax.config.update("jax_platforms", "cpu")
     from spmd.config import load_config
     from spmd.metrics import MATMUL_N, measure_matmul_flops
-    from spmd.models.llama import count_params
 
     cfg = load_config(args.config)
     m = cfg.model
@@ -160,7 +158,7 @@ def main() -> None:
     torch_row = torch_rows[0] if torch_rows else None
 
     print(
-        f"\n`{args.config}`: {count_params(m):,} params, batch {cfg.train.global_batch_size} x "
+        f"\n`{args.config}`: {cfg.model_family.figures(m, cfg.train.seq_len).params:,} params, batch {cfg.train.global_batch_size} x "
         f"{cfg.train.seq_len} tokens, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
         f"median of {args.steps} steps after {args.warmup} warm-up\n"
     )

@@ -26,7 +26,7 @@ Groups:
 - dp: `small` (fp32) data parallel over 2 processes on loopback, one core each: jax.distributed
   against DDP over gloo; step time and gradient bytes each process sends per step (ours from the
   compiled HLO's collectives, PyTorch's counted in a DDP comm hook). Ours twice: as it runs (one
-  flat gradient vector, `train.grad_reduce=auto`) and with XLA's all-reduce of every array (`xla`).
+  flat gradient vector, `cpu.grad_reduce=auto`) and with XLA's all-reduce of every array (`xla`).
 """
 
 import argparse
@@ -109,7 +109,7 @@ def jax_train(s: dict):
 def jax_attention(s: dict):
     import jax
 
-    from spmd import cpu_matmul
+    from spmd import cpu_matmul, policy
     from spmd.kernels.chunked_attention import chunked_attention
     from spmd.models.attention import xla_attention
 
@@ -123,8 +123,8 @@ def jax_attention(s: dict):
         o, vjp = jax.vjp(lambda q, k, v: impl(q, k, v, causal=True), q, k, v)
         return vjp(do)
 
-    # Compiled as the train step compiles attention on CPU (train.cpu_matmul's default).
-    options = cpu_matmul.compiler_options("onednn", jax.devices()[0].platform)
+    # Compiled as the train step compiles attention on CPU (cpu.matmul's default).
+    options = cpu_matmul.compiler_options(policy.matmul("onednn", jax.devices()[0].platform))
     compiled = cpu_matmul.keep(jax.jit(fwd_bwd, compiler_options=options).lower(q, k, v, do).compile())
     temps = compiled.memory_analysis().temp_size_in_bytes
     base = rss_bytes()
@@ -144,11 +144,11 @@ def jax_moe(s: dict):
     import jax
     from flax import nnx
 
-    from spmd import cpu_matmul
+    from spmd import cpu_matmul, policy
     from spmd.config import load_config
     from spmd.models.moe import MoE
 
-    cfg = load_config("small-moe", [f"model.moe_dispatch={s['impl']}", "model.dtype=float32"]).model
+    cfg = load_config("small-moe", [f"moe.dispatch={s['impl']}", "model.dtype=float32"]).model
     with nnx.use_eager_sharding(False):
         layer = MoE(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(layer)
@@ -163,8 +163,8 @@ def jax_moe(s: dict):
         _, vjp = jax.vjp(f, params, x)
         return vjp(dy)
 
-    # Compiled as the train step compiles the layer on CPU (train.cpu_matmul's default).
-    fwd_bwd = cpu_matmul.jit(fwd_bwd, "onednn", jax.devices()[0].platform)
+    # Compiled as the train step compiles the layer on CPU (cpu.matmul's default).
+    fwd_bwd = cpu_matmul.jit(fwd_bwd, policy.matmul("onednn", jax.devices()[0].platform))
 
     def step():
         jax.block_until_ready(fwd_bwd(params, x, dy))
@@ -253,7 +253,7 @@ def jax_decode(s: dict):
 
 
 def dp_overrides(s: dict) -> list[str]:
-    return ["model.dtype=float32", f"train.grad_reduce={s['grad_reduce']}"]
+    return ["model.dtype=float32", f"cpu.grad_reduce={s['grad_reduce']}"]
 
 
 def jax_dp(s: dict):
@@ -295,7 +295,7 @@ def worker(spec: dict) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    # Each of these runs inside a command that sets train.host_heap before JAX starts (spmd-train;
+    # Each of these runs inside a command that sets cpu.host_heap before JAX starts (spmd-train;
     # decoding: spmd-sample, with the setting's default): measured under the same heap. The
     # attention, MoE and decode rows were not until the fourteenth pass, and paid for faulting
     # their temporaries in on every call.
@@ -499,17 +499,18 @@ def group_moe(args, table):
     from spmd.config import load_config
 
     m = load_config("small-moe").model
+    moe = m.moe
     B, T = 16, 128
     members = [
         ("ours capacity", "ours", [{"kind": "moe", "impl": "capacity", "B": B, "T": T, "reps": 10}]),
         ("ours dropless", "ours", [{"kind": "moe", "impl": "dropless", "B": B, "T": T, "reps": 10}]),
     ]
     for impl in ("index_add", "grouped_mm"):
-        spec = {"kind": "moe", "impl": impl, "tokens": B * T, "D": m.d_model, "E": m.n_experts}
-        spec |= {"top_k": m.top_k, "F": m.d_ff_expert, "reps": 10}
+        spec = {"kind": "moe", "impl": impl, "tokens": B * T, "D": m.d_model, "E": moe.n_experts}
+        spec |= {"top_k": moe.top_k, "F": moe.d_ff_expert, "reps": 10}
         members.append((f"torch {impl}", "torch", [spec]))
     res = run_group(members, args.rounds, args.torch_python)
-    what = f"MoE layer fwd+bwd ({B * T} tokens, D {m.d_model}, {m.n_experts} experts x F {m.d_ff_expert}, top-{m.top_k}, fp32)"
+    what = f"MoE layer fwd+bwd ({B * T} tokens, D {m.d_model}, {moe.n_experts} experts x F {moe.d_ff_expert}, top-{moe.top_k}, fp32)"
     for ours in ("capacity", "dropless"):
         for theirs in ("index_add", "grouped_mm"):
             table.append(
@@ -575,7 +576,7 @@ def group_dp(args, table):
 
     cfg = load_config("small")
     base = {"world": 2, "steps": args.steps, "warmup": 3}
-    # Ours as it runs (train.grad_reduce=auto: one flat gradient vector across processes) and with
+    # Ours as it runs (cpu.grad_reduce=auto: one flat gradient vector across processes) and with
     # XLA's own all-reduce of every gradient array, the layout before issue 19's change.
     variants = {"ours": "auto", "ours xla": "xla"}
     participants = []
@@ -628,7 +629,7 @@ def main() -> None:
         choices=("system", "tbbmalloc"),
         default="system",
         help="PyTorch's malloc: glibc's as installed (default), or tbbmalloc preloaded as ours runs on CPU "
-        "(train.host_heap, spmd/hostmem.py): the same allocator on both sides",
+        "(cpu.host_heap, spmd/hostmem.py): the same allocator on both sides",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)

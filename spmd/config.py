@@ -1,20 +1,27 @@
 """Run configuration: frozen dataclasses, loaded from `configs/<name>.toml` plus `--set` overrides.
 
-A config file has up to six tables, `[model]`, `[train]`, `[data]`, `[checkpoint]`,
-`[attention]` and `[optimizer]`; keys it leaves out take the defaults below. `--set train.learning_rate=1e-3`
-overrides one key, parsed to the key's type.
+Each table of a config file belongs to the part of the stack that reads it: `[model]` to the model
+family (`model.family`, default llama: spmd.family), with its own tables where its config holds
+one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
+(spmd/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
+`[attention]` (context parallelism), `[pipeline]` (spmd/pipeline.py) and `[cpu]` (CPU tuning:
+spmd/policy.py). Keys a file leaves out take the defaults below. `--set
+optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
+its new home.
 """
 
 import dataclasses
+import difflib
 import pathlib
+import types
 import typing
 
+from spmd import family as family_lib
 from spmd import presets as presets_lib
-from spmd.cpu_matmul import CPU_MATMUL
-from spmd.dataparallel import GRAD_REDUCE
 from spmd.errors import UserError, closest
-from spmd.hostmem import HOST_HEAP
-from spmd.models.llama import ModelConfig
+from spmd.optimizer import OptimizerConfig
+from spmd.pipeline import PipelineConfig
+from spmd.policy import CpuConfig
 from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 
 CONFIG_DIR = presets_lib.folder("configs")
@@ -26,37 +33,13 @@ class TrainConfig:
     global_batch_size: int = 8  # sequences per optimizer step, over all devices and microbatches
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many
     steps: int = 100
-    learning_rate: float = 3e-3  # peak, reached after warmup; cosine decay to min_lr_ratio x peak
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    schedule_steps: int = 0  # length of the warmup + cosine schedule; 0: train.steps. Fix it to
-    # stop a run early (fewer --steps) or resume with more, without changing the learning rates.
-    weight_decay: float = 0.1  # AdamW; not applied to norm scales
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50  # 0 disables eval
     eval_batches: int = 4
-    max_skipped_steps: int = (
-        5  # consecutive steps with non-finite loss/gradients (skipped) that stop the run; 0: never
-    )
-    # How a pure data-parallel step sums its gradients: "flat" as one vector per dtype (DDP's
-    # buckets; XLA:CPU's gloo pays ~4 ms per all-reduce operand), "xla" as XLA's all-reduce of every
-    # array, "auto" flat on CPU across processes (spmd/dataparallel.py)
-    grad_reduce: str = "auto"
-    # Host memory of XLA:CPU programs (spmd/hostmem.py): "tbbmalloc" relaunches the command under
-    # Intel's scalable allocator (the `tbb` wheel; large blocks cached apart from small objects),
-    # "retain" keeps glibc's freed heap memory for reuse (each step's temporaries are not faulted in
-    # again; the process stays at its peak size), "system" leaves glibc's malloc as it is, "auto"
-    # is tbbmalloc where installed (else retain) on a CPU host, system elsewhere
-    host_heap: str = "auto"
-    # Library for the matmuls of CPU train/eval steps (spmd/cpu_matmul.py): "onednn" (as PyTorch's
-    # CPU backend; faster here) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)
-    cpu_matmul: str = "onednn"
+    # consecutive steps with non-finite loss/gradients (skipped) that stop the run; 0: never
+    max_skipped_steps: int = 5
     step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
@@ -71,32 +54,16 @@ class TrainConfig:
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"train.microbatches ({self.microbatches})"
             )
-        for key in ("warmup_steps", "eval_every", "schedule_steps"):
-            if getattr(self, key) < 0:
-                problems.append(f"train.{key} must be >= 0, got {getattr(self, key)}")
-        if not 0 < self.learning_rate < float("inf"):  # also NaN, which can only train to NaN
-            problems.append(f"train.learning_rate must be a positive number, got {self.learning_rate}")
-        for key in ("weight_decay", "beta1", "beta2", "eps", "grad_clip", "z_loss"):
-            if not 0 <= getattr(self, key) < float("inf"):
-                problems.append(f"train.{key} must be a finite number >= 0, got {getattr(self, key)}")
+        if self.eval_every < 0:
+            problems.append(f"train.eval_every must be >= 0, got {self.eval_every}")
+        if not 0 <= self.z_loss < float("inf"):
+            problems.append(f"train.z_loss must be a finite number >= 0, got {self.z_loss}")
         if self.step_timeout != self.step_timeout or self.step_timeout == float("inf"):
             problems.append(
                 f"train.step_timeout must be a number of seconds (0: automatic, < 0: off), got {self.step_timeout}"
             )
-        if self.grad_reduce not in GRAD_REDUCE:
-            problems.append(
-                f"train.grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
-            )
-        if self.host_heap not in HOST_HEAP:
-            problems.append(f"train.host_heap must be one of {', '.join(HOST_HEAP)}, got {self.host_heap!r}")
-        if self.cpu_matmul not in CPU_MATMUL:
-            problems.append(
-                f"train.cpu_matmul must be one of {', '.join(CPU_MATMUL)}, got {self.cpu_matmul!r}"
-            )
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            problems.append(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         return problems
 
 
@@ -185,32 +152,6 @@ class DataConfig:
         return problems
 
 
-OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "sgd")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """Which optax optimizer (spmd/train.py: make_optimizer). Learning rate, schedule, betas, eps,
-    weight decay and clipping stay in [train]."""
-
-    name: str = "adamw"  # adamw | adafactor | lion | muon | sgd
-    state_dtype: str = "float32"  # first-moment dtype (adamw, lion, muon, sgd momentum, adafactor momentum)
-    momentum: float = 0.9  # sgd's momentum (0: plain sgd)
-    # Keep the optimizer state in host memory (memory kind pinned_host) between steps; the step
-    # streams it to the device for the update and back. Needs a backend with host memory kinds.
-    offload: bool = False
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.name not in OPTIMIZERS:
-            problems.append(f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
-        if self.state_dtype not in ("float32", "bfloat16"):
-            problems.append(f"optimizer.state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
-        if not 0 <= self.momentum < 1:
-            problems.append(f"optimizer.momentum must be in [0, 1), got {self.momentum}")
-        return problems
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end and on preemption)
@@ -249,63 +190,85 @@ class AttentionConfig:
         return problems
 
 
-PIPELINE_SCHEDULES = ("gpipe", "circular")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """Pipeline parallelism over the `stage` mesh axis (spmd/pipeline.py); used when the rules map
-    `layers` to `stage` and the mesh has stage > 1."""
-
-    microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
-    schedule: str = "gpipe"  # gpipe | circular
-    repeats: int = 1  # circular: layer groups per stage, visited round-robin (divides the bubble)
-    # FSDP inside a stage: gather the stage's weights once per step before the schedule (and
-    # reduce their gradients once after it) instead of in every pipeline iteration. Fewer bytes
-    # sent; the stage's weights and their gradient sums are held unsharded over fsdp meanwhile.
-    gather_once: bool = False
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.schedule not in PIPELINE_SCHEDULES:
-            problems.append(
-                f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}"
-            )
-        if self.microbatches < 0:
-            problems.append(f"pipeline.microbatches must be >= 0 (0: one per stage), got {self.microbatches}")
-        if self.repeats < 1:
-            problems.append(f"pipeline.repeats must be at least 1, got {self.repeats}")
-        elif self.repeats > 1 and self.schedule != "circular":
-            problems.append(
-                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular (gpipe holds one "
-                f"layer group per stage)"
-            )
-        return problems
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str
-    model: ModelConfig
-    train: TrainConfig
-    data: DataConfig
+    model: object  # the model family's config (spmd.family: ModelFamily.config_cls)
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     attention: AttentionConfig = AttentionConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    cpu: CpuConfig = CpuConfig()
+
+    @property
+    def model_family(self) -> family_lib.ModelFamily:
+        return family_lib.of(self.model)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"name": self.name, **to_tree(self)}
 
 
+# The tables the engine owns; `[model]` and the tables its config holds belong to the model family.
 SECTIONS = {
-    "model": ModelConfig,
     "train": TrainConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "optimizer": OptimizerConfig,
     "attention": AttentionConfig,
     "pipeline": PipelineConfig,
+    "cpu": CpuConfig,
+}
+# Keys that moved to the table that owns them: old key -> its new home. In a config file or --set
+# an old key is an error naming the new one; a config saved by an older version (checkpoints,
+# config.json) is read with its keys moved.
+MOVED = {
+    **{
+        f"train.{k}": f"optimizer.{k}"
+        for k in (
+            "learning_rate",
+            "warmup_steps",
+            "min_lr_ratio",
+            "schedule_steps",
+            "weight_decay",
+            "beta1",
+            "beta2",
+            "eps",
+            "grad_clip",
+        )
+    },  # fmt: skip
+    "train.cpu_matmul": "cpu.matmul",
+    "train.host_heap": "cpu.host_heap",
+    "train.grad_reduce": "cpu.grad_reduce",
+    **{
+        f"model.{k}": f"moe.{k}"
+        for k in (
+            "n_experts",
+            "top_k",
+            "d_ff_expert",
+            "n_shared_experts",
+            "router_score",
+            "capacity_factor",
+            "aux_loss_coef",
+            "router_z_loss_coef",
+        )
+    },  # fmt: skip
+    "model.moe_every": "moe.every",
+    "model.moe_dispatch": "moe.dispatch",
+}
+FAMILY_KEY = "model.family"
+# What users of other stacks type, and the key it is here (for the suggestion in an error).
+ALIASES = {
+    "lr": "optimizer.learning_rate",
+    "wd": "optimizer.weight_decay",
+    "warmup": "optimizer.warmup_steps",
+    "max_grad_norm": "optimizer.grad_clip",
+    "clip": "optimizer.grad_clip",
+    "batch_size": "train.global_batch_size",
+    "max_steps": "train.steps",
+    "seq_length": "train.seq_len",
+    "max_seq_len": "train.seq_len",
 }
 
 
@@ -343,63 +306,160 @@ def _field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _set(tree: dict, key: str, value, source: str) -> None:
+def _table_class(t) -> type | None:
+    """The dataclass a field of type `t` (a dataclass, or one or None) holds, else None."""
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        inner = [a for a in typing.get_args(t) if a is not type(None)]
+        t = inner[0] if len(inner) == 1 else None
+    return t if isinstance(t, type) and dataclasses.is_dataclass(t) else None
+
+
+def model_tables(family: family_lib.ModelFamily) -> dict[str, type]:
+    """The tables a family's config makes: `model` (its scalars) and one per field holding a
+    dataclass (e.g. `moe`)."""
+    tables = {"model": family.config_cls}
+    for name, t in _field_types(family.config_cls).items():
+        if _table_class(t) is not None:
+            tables[name] = _table_class(t)
+    return tables
+
+
+def _keys(cls, tables) -> dict[str, type]:
+    """A table's keys and their types (the fields that are not tables of their own)."""
+    return {k: t for k, t in _field_types(cls).items() if k not in tables}
+
+
+def _family_of(doc: dict, overrides: typing.Sequence[str], source: str) -> family_lib.ModelFamily:
+    """The family a config names (`model.family`, a --set of it last), default llama."""
+    model = doc.get("model")
+    name = model.get("family", family_lib.DEFAULT) if isinstance(model, dict) else family_lib.DEFAULT
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if eq and key.strip() == FAMILY_KEY:
+            name, source = value.strip(), "--set"
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{source}: {FAMILY_KEY} must be a family name, e.g. llama or gpt2")
+    return family_lib.find(name)
+
+
+def _set(tree: dict, key: str, value, source: str, tables: dict[str, type]) -> None:
     section, _, leaf = key.partition(".")
-    if section not in SECTIONS or not leaf:
-        every = [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)]
-        raise UserError(f"unknown config key {key!r} in {source}{closest(key, every)}")
-    types = _field_types(SECTIONS[section])
-    if leaf not in types:
-        raise UserError(
-            f"unknown config key {key!r} in {source}{closest(key, [f'{section}.{k}' for k in types])}"
-        )
-    tree.setdefault(section, {})[leaf] = _coerce(key, value, types[leaf], source)
+    if key in MOVED:
+        raise UserError(f"config key {key!r} (in {source}) has moved: it is {MOVED[key]!r} now")
+    if key == FAMILY_KEY:
+        return  # read first, by _family_of
+    every = [f"{s}.{k}" for s, c in tables.items() for k in _keys(c, tables)]
+    if section not in tables or not leaf or leaf not in _keys(tables[section], tables):
+        raise UserError(f"unknown config key {key!r} in {source}{_suggestion(key, every)}")
+    types_ = _keys(tables[section], tables)
+    tree.setdefault(section, {})[leaf] = _coerce(key, value, types_[leaf], source)
+
+
+def _suggestion(key: str, every: list[str]) -> str:
+    """' (did you mean X?)': a key of the same name in another table, the new home of a key that
+    moved, or the closest spelling; '' for none."""
+    leaf = key.rpartition(".")[2]
+    if leaf in ALIASES:
+        return f" (did you mean {ALIASES[leaf]!r}?)"
+    same_name = [k for k in every if k.rpartition(".")[2] == leaf]
+    if same_name:
+        return f" (did you mean {same_name[0]!r}?)"
+    match = difflib.get_close_matches(key, every + list(MOVED), n=1, cutoff=0.5)
+    if not match:  # by the name alone, in any table
+        leaves = {k.rpartition(".")[2]: k for k in every}
+        match = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)]
+    return f" (did you mean {MOVED.get(match[0], match[0])!r}?)" if match else ""
+
+
+def to_tree(cfg: Config) -> dict[str, dict]:
+    """The config as tables of plain values (what a config file says), `model.family` included."""
+    family = cfg.model_family
+    tables = {**SECTIONS, **model_tables(family)}
+    out = {"model": {"family": family.name}}
+    for name, value in ((f.name, getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model)):
+        if name in tables:
+            if value is not None:
+                out[name] = dataclasses.asdict(value)
+        else:
+            out["model"][name] = value
+    return {**out, **{s: dataclasses.asdict(getattr(cfg, s)) for s in SECTIONS}}
+
+
+def _moved(d: dict) -> dict:
+    """A saved config's tables with the keys an older version kept elsewhere moved to their
+    homes (MOVED); the MoE keys of a dense model (n_experts 0) dropped."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for old, new in MOVED.items():
+        (section, leaf), (home, key) = old.split("."), new.split(".")
+        if isinstance(d.get(section), dict) and leaf in d[section]:
+            d.setdefault(home, {})[key] = d[section].pop(leaf)
+    if isinstance(d.get("moe"), dict) and not d["moe"].get("n_experts", 1):
+        del d["moe"]
+    return d
 
 
 def config_from_json(d: dict) -> Config:
     """The inverse of Config.to_json (e.g. the config saved in a checkpoint's metadata)."""
     try:
-        return Config(name=d["name"], **{s: SECTIONS[s](**d.get(s, {})) for s in SECTIONS})
-    except (KeyError, TypeError) as e:
+        d = _moved(d)
+        family = family_lib.find(d.get("model", {}).get("family", family_lib.DEFAULT))
+        return _construct(d["name"], family, d)
+    except (KeyError, TypeError, AttributeError) as e:
         raise UserError(f"saved config is not readable by this version ({e})") from None
+
+
+def _construct(name: str, family: family_lib.ModelFamily, tree: dict) -> Config:
+    tables = model_tables(family)
+    model = {k: v for k, v in tree.get("model", {}).items() if k != "family"}
+    model.update({t: cls(**tree[t]) for t, cls in tables.items() if t != "model" and t in tree})
+    engine = {s: SECTIONS[s](**tree.get(s, {})) for s in SECTIONS}
+    return Config(name=name, model=family.config_cls(**model), **engine)
 
 
 def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Config:
     """A preset name from configs/ or a path to a TOML file, then `key=value` overrides."""
     path = presets_lib.resolve(name_or_path, CONFIG_DIR, "config")
     doc = presets_lib.read(path, "config file")
+    family = _family_of(doc, overrides, str(path))
+    tables = {**SECTIONS, **model_tables(family)}
     tree: dict[str, dict] = {}
     for section, table in doc.items():
-        if section not in SECTIONS or not isinstance(table, dict):
+        if section not in tables or not isinstance(table, dict):
             raise UserError(
-                f"unknown section {section!r} in config {str(path)!r}{closest(section, SECTIONS)}; "
-                f"sections are {', '.join(f'[{s}]' for s in SECTIONS)}"
+                f"unknown section {section!r} in config {str(path)!r}{closest(section, tables)}; "
+                f"sections are {', '.join(f'[{s}]' for s in tables)} (model family {family.name})"
             )
         for leaf, value in table.items():
-            _set(tree, f"{section}.{leaf}", value, str(path))
-    return _build(presets_lib.display_name(path, CONFIG_DIR), tree, overrides)
+            _set(tree, f"{section}.{leaf}", value, str(path), tables)
+    return _build(presets_lib.display_name(path, CONFIG_DIR), family, tree, overrides)
 
 
 def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
     """`cfg` with `section.key=value` overrides (as --set gives them), checked like a loaded config."""
-    return _build(cfg.name, {s: dict(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}, overrides)
+    tree = to_tree(cfg)
+    family = _family_of(tree, overrides, "the config")
+    if family is not cfg.model_family:
+        tree = {k: v for k, v in tree.items() if k in SECTIONS}  # another family starts from its defaults
+    return _build(cfg.name, family, tree, overrides)
 
 
 def to_toml(cfg: Config) -> str:
     """A config file that `load_config` reads back as `cfg` (every key written out)."""
     import tomli_w
 
-    return tomli_w.dumps({s: dataclasses.asdict(getattr(cfg, s)) for s in SECTIONS})
+    return tomli_w.dumps(to_tree(cfg))
 
 
-def _build(name: str, tree: dict[str, dict], overrides: typing.Sequence[str]) -> Config:
+def _build(name: str, family, tree: dict[str, dict], overrides: typing.Sequence[str]) -> Config:
+    tables = {**SECTIONS, **model_tables(family)}
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
             raise UserError(f"--set {item!r} must look like section.key=value, e.g. --set train.steps=50")
-        _set(tree, key.strip(), value, "--set")
-    cfg = Config(name=name, **{s: SECTIONS[s](**tree.get(s, {})) for s in SECTIONS})
-    problems = [p for s in SECTIONS for p in getattr(cfg, s).check()]
+        _set(tree, key.strip(), value, "--set", tables)
+    cfg = _construct(name, family, tree)
+    sections = [cfg.model] + [getattr(cfg, s) for s in SECTIONS]
+    problems = [p for section in sections for p in section.check()]
     if problems:
         raise UserError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return cfg

@@ -1,4 +1,4 @@
-"""Which library runs the matmuls of XLA:CPU train and eval steps (`train.cpu_matmul`).
+"""Which library runs the matmuls of XLA:CPU train and eval steps (`cpu.matmul`).
 
 XLA:CPU hands a dot to one of its libraries: YNNPACK (its default for the dots it accepts), Eigen
 (the rest), or oneDNN (Intel's, which PyTorch's CPU backend uses) when asked. On the 2-core AMX
@@ -47,10 +47,10 @@ _ONEDNN = {
 }
 
 
-def compiler_options(setting: str, platform: str) -> dict | None:
-    """XLA compiler options for a step program of `platform` under `train.cpu_matmul=setting`
-    (one of CPU_MATMUL, checked with the config)."""
-    return dict(_ONEDNN) if platform == "cpu" and setting == "onednn" else None
+def compiler_options(library: str) -> dict | None:
+    """XLA compiler options for a CPU step program whose matmuls run in `library` (spmd.policy.matmul
+    chooses it: "onednn", or "xla" for XLA's own)."""
+    return dict(_ONEDNN) if library == "onednn" else None
 
 
 # XLA:CPU (jax 0.12) aborts the process when a program with oneDNN fusions is freed as an execution
@@ -145,14 +145,14 @@ class _CheckedLowered:
         return getattr(self._lowered, name)
 
 
-def jit(fun, setting: str, platform: str, **jit_kwargs):
-    """`jax.jit(fun, **jit_kwargs)` with the matmul library of `train.cpu_matmul=setting`
-    (compiler_options); a oneDNN program is a CheckedJit, and kept (keep)."""
-    options = compiler_options(setting, platform)
+def jit(fun, library: str, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` with its matmuls in `library` (compiler_options); a oneDNN program
+    is a CheckedJit, and kept (keep)."""
+    options = compiler_options(library)
     return keep(CheckedJit(fun, options, jit_kwargs)) if options else jax.jit(fun, **jit_kwargs)
 
 
 def raw_onednn_jit(fun):
     """`jax.jit(fun)` with oneDNN's options on CPU and no check (what XLA computes as such, for
     tests), kept alive like every oneDNN program (keep)."""
-    return keep(jax.jit(fun, compiler_options=compiler_options("onednn", "cpu")))
+    return keep(jax.jit(fun, compiler_options=compiler_options("onednn")))

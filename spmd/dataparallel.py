@@ -1,4 +1,4 @@
-"""Data-parallel gradients summed as one flat vector (`train.grad_reduce`), as DDP's buckets do.
+"""Data-parallel gradients summed as one flat vector (`cpu.grad_reduce`), as DDP's buckets do.
 
 Under GSPMD a data-parallel step sums its gradients in one all-reduce with one operand per
 parameter array. XLA:CPU's gloo collectives reduce the operands one at a time and each costs ~4 ms
@@ -19,20 +19,21 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from spmd.errors import UserError
-from spmd.mesh import platform_of, spec_axes
+from spmd.mesh import spec_axes
 
 GRAD_REDUCE = ("auto", "flat", "xla")
 
 
-def pure_data_axes(plan, update_shardings, model_cfg) -> tuple[str, ...] | None:
+def pure_data_axes(plan, update_shardings, dense: bool) -> tuple[str, ...] | None:
     """The mesh axes the batch is split over, when splitting the batch (over every axis of more than
-    one device) is all the layout does; None for any other layout, or one device."""
+    one device) is all the layout does; None for any other layout, one device, or a model with
+    auxiliary losses (`dense` False: they are functions of the whole batch)."""
     mesh = plan.mesh
     big = {a for a, n in mesh.shape.items() if n > 1}
     spec = tuple(plan.batch_sharding.spec)
     # All the batch's axes, of one device too: the rows vary over each of them in the shard_map.
     batch_axes = spec_axes(spec[0]) if spec else ()
-    if not big or plan.schedule is not None or getattr(model_cfg, "n_experts", 0):
+    if not big or plan.schedule is not None or not dense:
         return None
     if not big <= set(batch_axes) or any(a in big for e in spec[1:] for a in spec_axes(e)):
         return None
@@ -42,23 +43,18 @@ def pure_data_axes(plan, update_shardings, model_cfg) -> tuple[str, ...] | None:
     return batch_axes
 
 
-def flat_axes(grad_reduce: str, plan, update_shardings, model_cfg) -> tuple[str, ...] | None:
+def flat_axes(mode: str, plan, update_shardings, dense: bool) -> tuple[str, ...] | None:
     """The axes to sum gradients over as one flat vector, or None for XLA's own all-reduce.
-
-    "auto": flat for a pure data-parallel layout on CPU across processes (where gloo's per-operand
-    cost is paid; in one process XLA:CPU's collectives are memory copies). "flat": wherever the
-    layout allows it, on CPU. "xla": never."""
-    if grad_reduce == "xla":
+    `mode` is cpu.grad_reduce as the platform resolved it (spmd.policy.grad_reduce): "xla", or
+    "flat" where the layout allows it, which it must when the setting asked for it."""
+    if mode == "xla":
         return None
-    axes = pure_data_axes(plan, update_shardings, model_cfg)
-    platform = platform_of(plan.mesh)
-    if grad_reduce == "auto":
-        return axes if axes and platform == "cpu" and jax.process_count() > 1 else None
-    if axes is None or platform != "cpu":
+    axes = pure_data_axes(plan, update_shardings, dense)
+    if axes is None and mode == "flat_required":
         raise UserError(
-            "train.grad_reduce=flat needs a pure data-parallel layout of a dense model on CPU devices "
-            f"(every parameter replicated, the batch split over every mesh axis; this run: rules "
-            f"{plan.rules.name!r} on {platform} devices); use auto or xla"
+            "cpu.grad_reduce=flat needs a pure data-parallel layout of a dense model (every parameter "
+            f"replicated, the batch split over every mesh axis; this run: rules {plan.rules.name!r}); "
+            "use auto or xla"
         )
     return axes
 

@@ -72,7 +72,7 @@ def _param_shapes(plan, axes) -> list[tuple]:
             stacked = bool(p.logical) and p.logical[0] == "layers" and len(shape) > 1
             lead, body = (shape[:1], shape[1:]) if stacked else ((), shape)
             shapes = [shape] + ([body] if stacked else [])  # the stack, and one layer inside the scan
-            # Projections run flattened to 2-D (spmd.models.layers.project); the layers dim stays apart.
+            # Projections run flattened to 2-D (the models' `project`); the layers dim stays apart.
             for k in range(1, len(body)):
                 flat = (math.prod(body[:k]), math.prod(body[k:]))
                 shapes += [lead + flat] + ([flat] if stacked else [])
@@ -191,11 +191,9 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         B = max(1, B // schedule.microbatches)
         token_counts = {n // schedule.microbatches for n in token_counts} | token_counts
         shapes = tuple(s[1:] if len(s) > 1 and s[0] == 1 else s for s in shapes)
-    dispatched = 0  # elements of the (B, E, C, D) tokens dispatched to the experts, per device
-    if getattr(cfg.model, "n_experts", 0):
-        from spmd.models.moe import dispatched_shape
-
-        dispatched = math.prod(dispatched_shape(cfg.model, B, cfg.train.seq_len))
+    # Elements of the (B, E, C, D) tokens dispatched to the experts, per device (0: a dense model).
+    figures = plan.family.figures(cfg.model, cfg.train.seq_len)
+    dispatched = math.prod(figures.dispatched_shape(B)) if figures.n_experts else 0
     for shape in shapes:
         if dispatched and c.kind == "all-reduce" and math.prod(shape) == dispatched:
             names = _names_on(rules, axes, CONTRACTED_IN_LAYERS)

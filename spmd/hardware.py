@@ -1,5 +1,5 @@
 """Datasheet figures of the accelerators we know: the one table behind MFU (spmd.metrics) and the
-planner's roofline (spmd.plan).
+planner's roofline (spmd.planner).
 
 Dense bf16 peak FLOP/s per device; link bandwidths in bytes/s per device, one direction: NVLink 4
 450 GB/s, InfiniBand NDR 400 Gb/s = 50 GB/s per GPU; TPU v5p ICI ~ 4 x 100 GB/s, DCN ~ 25 GB/s per

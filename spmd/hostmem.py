@@ -1,4 +1,4 @@
-"""Host memory for XLA:CPU programs: freed heap memory kept for the next step (`train.host_heap`).
+"""Host memory for XLA:CPU programs: freed heap memory kept for the next step (`cpu.host_heap`).
 
 XLA:CPU allocates each execution's temporaries as one block (169 MiB for `small`'s bf16 train
 step) and frees it when the execution ends. glibc serves a block that large with a fresh `mmap`
@@ -60,7 +60,7 @@ _retained = False
 
 
 def choose(setting: str, on_cpu: bool, tbbmalloc_ok: bool) -> str:
-    """What `train.host_heap=setting` does: "tbbmalloc", "retain" or "system". `on_cpu`: the run's
+    """What `cpu.host_heap=setting` does: "tbbmalloc", "retain" or "system". `on_cpu`: the run's
     devices are this host's CPUs (`auto` acts only then); `tbbmalloc_ok`: the process can relaunch
     under tbbmalloc (or already runs under it)."""
     if setting == "auto":
@@ -71,7 +71,7 @@ def choose(setting: str, on_cpu: bool, tbbmalloc_ok: bool) -> str:
 
 
 def wanted(setting: str, on_cpu: bool) -> bool:
-    """Whether `train.host_heap=setting` keeps freed memory in a process that cannot relaunch."""
+    """Whether `cpu.host_heap=setting` keeps freed memory in a process that cannot relaunch."""
     return choose(setting, on_cpu, tbbmalloc_ok=False) != "system"
 
 
@@ -186,7 +186,7 @@ def active() -> str:
 
 
 def prepare(setting: str, may_relaunch: bool) -> None:
-    """Apply `train.host_heap=setting` before JAX starts (spmd.setup.before_jax_starts). A command
+    """Apply `cpu.host_heap=setting` before JAX starts (spmd.setup.before_jax_starts). A command
     run from its command line (`may_relaunch`) relaunches itself under tbbmalloc when that is the
     choice; otherwise glibc's freed memory is retained where the choice is not "system"."""
     relaunched = _after_relaunch()
@@ -195,8 +195,8 @@ def prepare(setting: str, may_relaunch: bool) -> None:
     libraries = tbbmalloc_libraries()
     if setting == "tbbmalloc" and libraries is None:
         raise UserError(
-            "train.host_heap=tbbmalloc needs Intel's tbb wheel (Linux x86-64): pip install tbb; "
-            "or set train.host_heap=retain"
+            "cpu.host_heap=tbbmalloc needs Intel's tbb wheel (Linux x86-64): pip install tbb; "
+            "or set cpu.host_heap=retain"
         )
     can_relaunch = may_relaunch and libraries is not None and not relaunched
     on_cpu = cpu_host()
@@ -206,7 +206,7 @@ def prepare(setting: str, may_relaunch: bool) -> None:
 
 
 def retain_before_start(setting: str, on_cpu: bool | None = None) -> None:
-    """Apply `train.host_heap=setting` before JAX starts its threads, as commands do (through
+    """Apply `cpu.host_heap=setting` before JAX starts its threads, as commands do (through
     spmd.setup.before_jax_starts): a thread keeps the allocator arena it first used, so once
     XLA:CPU's threads run, their temporaries come from their own arenas, which map large blocks
     afresh whatever mallopt says. Measured: a jitted train step of `small` bf16 still faulted its

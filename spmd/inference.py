@@ -1,8 +1,8 @@
 """Evaluate and sample from checkpoints on any mesh.
 
 Sampling is KV-cache decoding: one prefill over the (left-padded) prompts, then one jitted step per
-new token. The cache is sharded by the rules' `kv cache` axes (batch over the data axes, kv heads
-over tensor).
+new token. The cache is the model family's (spmd.family), sharded by its logical axes under the
+rules (batch over the data axes, kv heads over tensor), laid out as the platform choices say.
 """
 
 import dataclasses
@@ -18,12 +18,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd import checkpoint as ckpt
 from spmd.config import config_from_json
 from spmd.errors import UserError
-from spmd.mesh import axes_size, platform_of
-from spmd.models.llama import KV_CACHE_AXES, KVCache
+from spmd.mesh import axes_size
 from spmd.rules import load_rules
 from spmd.setup import Setup, assemble
 from spmd.sharding import path_str
-from spmd.train import held_out_by_source
+from spmd.trainer import held_out_by_source
 
 
 @dataclasses.dataclass
@@ -116,15 +115,15 @@ class Sampler:
         self.loaded = loaded
         self.cfg = loaded.cfg.model
         plan = loaded.plan
-        self.cache_sharding = plan.rules.sharding(plan.mesh, KV_CACHE_AXES)
+        self.family = plan.family
         graphdef = plan.graphdef
-        # On CPU each layer's weights and caches are arrays of their own, and given per-layer
-        # caches the model runs its layers as a Python loop: XLA:CPU copies a slice of a stacked
-        # array, which was every layer's weights and caches for every token (12 MiB of weights
-        # per token for `small` in fp32), while a stack built in the program from its layers
-        # folds into them and a layer's own cache is written in place. The weights are split
-        # here once, a second copy (in the compute dtype) while the caller keeps `loaded.params`.
-        self.per_layer = platform_of(plan.mesh) == "cpu"
+        # On CPU (spmd.policy) each layer's weights and caches are arrays of their own, and given
+        # per-layer caches the model runs its layers as a Python loop: XLA:CPU copies a slice of a
+        # stacked array, which was every layer's weights and caches for every token, while a
+        # stack built in the program from its layers folds into them and a layer's own cache is
+        # written in place. The weights are split here once, a second copy (in the compute dtype)
+        # while the caller keeps `loaded.params`.
+        self.per_layer = loaded.setup.choices.kv_cache_per_layer
         self.params = decoding_params(loaded.params, plan, split=self.per_layer)
 
         def forward(params, tokens_BT, positions_BT, cache):
@@ -143,18 +142,14 @@ class Sampler:
         self.decode = jax.jit(decode, donate_argnums=3, static_argnames=("temperature", "top_k"))
         self.replicated = plan.replicated
 
-    def empty_cache(self, batch: int, slots: int) -> KVCache:
-        kv = self.cache_sharding
-        if self.per_layer:
-            kv = (one_layer(kv),) * self.cfg.n_layers
-        shardings = KVCache(
-            kv,
-            kv,
-            NamedSharding(self.loaded.plan.mesh, self.loaded.plan.batch_sharding.spec),
-            self.replicated,
+    def empty_cache(self, batch: int, slots: int):
+        """The family's KV cache for `batch` sequences of `slots` positions, placed on the mesh."""
+        plan = self.loaded.plan
+        shardings = self.family.cache_shardings(
+            self.cfg, self.per_layer, lambda axes: plan.rules.sharding(plan.mesh, axes)
         )
         return jax.jit(
-            lambda: KVCache.empty(self.cfg, batch, slots, self.per_layer), out_shardings=shardings
+            lambda: self.family.empty_cache(self.cfg, batch, slots, self.per_layer), out_shardings=shardings
         )()
 
     def generate(

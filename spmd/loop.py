@@ -108,8 +108,8 @@ class TrainLoop:
                 f"training diverged: steps {self.streak[0]}-{self.streak[-1]} ({len(self.streak)} in a row, "
                 f"train.max_skipped_steps) had a non-finite loss or gradient norm and were skipped, so "
                 f"parameters and optimizer state are still those of step {self.streak[0] - 1} (as is every "
-                f"checkpoint since); lower train.learning_rate, raise train.warmup_steps or set "
-                f"train.grad_clip, then resume"
+                f"checkpoint since); lower optimizer.learning_rate, raise optimizer.warmup_steps or set "
+                f"optimizer.grad_clip, then resume"
             )
 
     def run(self, state, start_step: int, end_step: int):
@@ -239,7 +239,7 @@ class MetricsHook(LogSchedule):
         }
         if self.z_loss:
             record["z_loss"] = float(m["z_loss"])
-        record.update({key: float(v) for key, v in m.items() if key.startswith("moe_")})
+        record.update({key: float(v) for key, v in m.get("aux", {}).items()})  # the model's own metrics
         record.update(info.extra)
         if self.ledger is not None:
             record.update(self.ledger.record())

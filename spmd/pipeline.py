@@ -40,12 +40,44 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.config import PipelineConfig
 from spmd.errors import UserError
 from spmd.logical import active, rules_replaced
 from spmd.mesh import axes_size, spec_axes
 
 STAGE_AXIS = "stage"
+
+PIPELINE_SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The `[pipeline]` table: used when the rules map `layers` to `stage` and the mesh has
+    stage > 1."""
+
+    microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
+    schedule: str = "gpipe"  # gpipe | circular
+    repeats: int = 1  # circular: layer groups per stage, visited round-robin (divides the bubble)
+    # FSDP inside a stage: gather the stage's weights once per step before the schedule (and
+    # reduce their gradients once after it) instead of in every pipeline iteration. Fewer bytes
+    # sent; the stage's weights and their gradient sums are held unsharded over fsdp meanwhile.
+    gather_once: bool = False
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.schedule not in PIPELINE_SCHEDULES:
+            problems.append(
+                f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.microbatches < 0:
+            problems.append(f"pipeline.microbatches must be >= 0 (0: one per stage), got {self.microbatches}")
+        if self.repeats < 1:
+            problems.append(f"pipeline.repeats must be at least 1, got {self.repeats}")
+        elif self.repeats > 1 and self.schedule != "circular":
+            problems.append(
+                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular (gpipe holds one "
+                f"layer group per stage)"
+            )
+        return problems
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,9 @@ from spmd.mesh import MESH_AXES, axes_size, format_axes, spec_axes
 
 PRESET_DIR = presets_lib.folder("sharding_rules")
 
-# Every logical axis name the product knows. Models use a subset; a rules file may map names a
-# given model does not use (an MoE preset maps `expert`), but never a name outside this list.
+# Every logical axis name the engine knows. Models use a subset; a rules file may map names a
+# given model does not use (an MoE preset maps `expert`), but never a name outside this list and
+# the names model families add (spmd.family: ModelFamily.logical_axes).
 LOGICAL_AXES = (
     # parameters
     "vocab",
@@ -70,10 +71,23 @@ class Rules:
     load_balance: str = "zigzag"  # zigzag | striped | contiguous
     # Sharded weight update (ZeRO-1/2, Xu et al. 2020): the optimizer state (and so the update) is
     # further split over these mesh axes, the data axes, while parameters keep their own sharding
-    # (spmd/train.py: optimizer_sharding).
+    # (spmd/trainer.py: update_sharding).
     shard_optimizer_over: tuple[str, ...] = ()
     # Which file set each key (a logical name or a top-level key), through `extends`.
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def with_defaults(self, names) -> "Rules":
+        """These rules with each name of `names` (name -> the name whose mapping it takes, or None
+        for replicated) that they do not map given its default: the logical names a model family
+        adds."""
+        extra = {n: self.mapping.get(d, ()) if d else () for n, d in names.items() if n not in self.mapping}
+        if not extra:
+            return self
+        sources = {
+            **self.sources,
+            **{n: f"default of {d or 'replicated'}" for n, d in names.items() if n in extra},
+        }
+        return dataclasses.replace(self, mapping={**self.mapping, **extra}, sources=sources)
 
     def with_attention(self, attention_cfg) -> "Rules":
         """These rules with the config's [attention] overrides applied."""
@@ -161,13 +175,24 @@ def rules_path(name_or_path: str, relative_to: pathlib.Path | None = None) -> pa
     return presets_lib.resolve(name_or_path, PRESET_DIR, "rules preset", relative_to)
 
 
-def load_rules(name_or_path: str) -> Rules:
-    """`name_or_path` is a preset name (see `presets()`) or a path to a TOML file.
+def load_rules(name_or_path: str, names=()) -> Rules:
+    """`name_or_path` is a preset name (see `presets()`) or a path to a TOML file. It may map the
+    engine's logical names (LOGICAL_AXES), those the built-in model families add, and `names`
+    (a family's from elsewhere).
 
     A file may say `extends = "PRESET"` (or a path to another file, relative to it): it then starts
     from that file's resolved rules and lists only what differs. Every key remembers the file
     that set it (`Rules.sources`, shown by `spmd-train --print-rules`)."""
-    return _load(rules_path(name_or_path), ())
+    known = (*LOGICAL_AXES, *(n for n in family_names() if n not in LOGICAL_AXES))
+    known += tuple(n for n in names if n not in known)
+    return _load(rules_path(name_or_path), (), known)
+
+
+def family_names() -> tuple[str, ...]:
+    """The logical names the built-in model families add."""
+    from spmd import family
+
+    return tuple(dict.fromkeys(n for f in family.builtin() for n in family.find(f).logical_axes))
 
 
 def _display_name(path: pathlib.Path) -> str:
@@ -195,11 +220,11 @@ def _read(path: pathlib.Path) -> dict:
     return doc
 
 
-def _mesh_axes(path: pathlib.Path, logical: str, value) -> tuple[str, ...]:
-    if logical not in LOGICAL_AXES and logical != "shard_optimizer_over":
+def _mesh_axes(path: pathlib.Path, logical: str, value, known=LOGICAL_AXES) -> tuple[str, ...]:
+    if logical not in known and logical != "shard_optimizer_over":
         raise UserError(
             f"unknown logical axis {logical!r} in rules file {str(path)!r}"
-            f"{closest(logical, LOGICAL_AXES)}; known axes: {', '.join(LOGICAL_AXES)}"
+            f"{closest(logical, known)}; known axes: {', '.join(known)}"
         )
     axes = (value,) if isinstance(value, str) else value
     if not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
@@ -219,7 +244,7 @@ def _mesh_axes(path: pathlib.Path, logical: str, value) -> tuple[str, ...]:
     return axes
 
 
-def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> Rules:
+def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...], known: tuple[str, ...]) -> Rules:
     if path.resolve() in chain:
         cycle = " -> ".join(_display_name(p) for p in (*chain, path.resolve()))
         raise UserError(
@@ -230,13 +255,13 @@ def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> Rules:
     parent = None
     if "extends" in doc:
         try:
-            parent = _load(rules_path(doc["extends"], path.parent), (*chain, path.resolve()))
+            parent = _load(rules_path(doc["extends"], path.parent), (*chain, path.resolve()), known)
         except UserError as e:
             raise UserError(f"rules file {str(path)!r} extends {doc['extends']!r}: {e}") from None
     mapping = dict(parent.mapping) if parent else {}
     sources = dict(parent.sources) if parent else {}
     for logical, value in doc.get("rules", {}).items():
-        mapping[logical] = _mesh_axes(path, logical, value)
+        mapping[logical] = _mesh_axes(path, logical, value, known)
         sources[logical] = name
     top = {}
     for key, default in DEFAULTS.items():
@@ -249,7 +274,7 @@ def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> Rules:
     return Rules(
         name=name,
         description=str(top["description"]),
-        mapping={n: mapping[n] for n in LOGICAL_AXES if n in mapping},
+        mapping={n: mapping[n] for n in known if n in mapping},
         replicated_params_ok=bool(top["replicated_params_ok"]),
         context_parallel=top["context_parallel"],
         load_balance=top["load_balance"],

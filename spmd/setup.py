@@ -1,5 +1,5 @@
-"""One place assembles a run: config -> mesh -> rules (with the config's attention overrides) ->
-sharding plan -> trainer.
+"""One place assembles a run: config -> mesh -> platform choices (spmd.policy) -> rules (with the
+config's attention overrides) -> sharding plan -> trainer.
 
 Every command, script and test builds its run with `assemble`; nothing else chains these steps.
 The variants the commands need are arguments, not copies:
@@ -20,32 +20,38 @@ from collections.abc import Sequence
 
 import jax
 
-from spmd import hostmem, memory
+from spmd import hostmem, memory, policy
 from spmd import sharding as sharding_lib
-from spmd.config import Config, TrainConfig, apply_overrides, load_config
+from spmd.config import Config, apply_overrides, load_config
 from spmd.errors import UserError
 from spmd.mesh import axes_size, build_mesh, platform_of
-from spmd.models import attention
-from spmd.models.llama import Decoder
 from spmd.rules import Rules, load_rules
-from spmd.train import Trainer, build_eval_step, build_trainer
+from spmd.trainer import Trainer, build_eval_step, build_trainer
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    cfg: Config
+    cfg: Config  # with every platform choice made (model.attention_impl concrete)
+    requested: Config  # as given (model.attention_impl may be "auto"): what runs record and resume
     mesh: jax.sharding.Mesh
+    choices: policy.Choices
     rules: Rules  # attention overrides (and decoding) applied
     plan: sharding_lib.ShardingPlan
     trainer: Trainer | None  # None when assembled with optimizer=False
-    attention: str  # what attention runs as, for the log (e.g. "auto -> chunked (O(T) memory)")
     mesh_spec: str = ""  # the flags it came from, recorded in config.json and checkpoints
     dcn_mesh_spec: str = ""
+
+    @property
+    def attention(self) -> str:
+        """What attention runs as, for the log (e.g. "auto -> chunked (O(T) memory)")."""
+        return self.choices.describe_attention()
 
     @functools.cached_property
     def eval_step(self):
         """Jitted (params, batch) -> (summed cross-entropy, counted tokens)."""
-        return self.trainer.eval_step if self.trainer is not None else build_eval_step(self.cfg, self.plan)
+        if self.trainer is not None:
+            return self.trainer.eval_step
+        return build_eval_step(self.cfg, self.plan, self.choices)
 
     def batches(self):
         """The run's data (spmd.data.Batches), laid out for this mesh and these rules."""
@@ -54,10 +60,12 @@ class Setup:
         return make_batches(self.cfg, self.plan.batch_sharding)
 
     def to_json(self) -> dict:
-        """Config, mesh, rules and devices as config.json and checkpoint metadata record them."""
+        """Config (as given), platform choices, mesh, rules and devices as config.json and
+        checkpoint metadata record them."""
         device = jax.devices()[0]
         return {
-            "config": self.cfg.to_json(),
+            "config": self.requested.to_json(),
+            "resolved": self.choices.to_json(),
             "mesh": {"spec": self.mesh_spec, "dcn_spec": self.dcn_mesh_spec, "shape": dict(self.mesh.shape)},
             "rules": self.rules.to_json(),
             "devices": {
@@ -72,13 +80,13 @@ class Setup:
 def before_jax_starts(
     config: str | Config | None, overrides: Sequence[str] = (), *, may_relaunch: bool = False
 ) -> None:
-    """What a run sets up in the process before JAX starts: `train.host_heap` (spmd/hostmem.py;
+    """What a run sets up in the process before JAX starts: `cpu.host_heap` (spmd/hostmem.py;
     with `may_relaunch`, a command run from its command line, the process may be replaced by the
     same command under tbbmalloc). Commands call it first; bad input is left for assemble to report.
     `config=None`: a command that reads its config from a checkpoint once JAX runs (spmd-sample,
-    spmd-eval) gets train.host_heap's default."""
+    spmd-eval) gets cpu.host_heap's default."""
     if config is None:
-        hostmem.prepare(TrainConfig.host_heap, may_relaunch)  # the field's default
+        hostmem.prepare(policy.CpuConfig.host_heap, may_relaunch)  # the field's default
         return
     try:
         cfg = (
@@ -86,7 +94,7 @@ def before_jax_starts(
         )
     except UserError:
         return
-    hostmem.prepare(cfg.train.host_heap, may_relaunch)
+    hostmem.prepare(cfg.cpu.host_heap, may_relaunch)
 
 
 def assemble(
@@ -100,7 +108,6 @@ def assemble(
     optimizer: bool = True,
     decoding: bool = False,
     batch_size: int | None = None,
-    model_cls=Decoder,
 ) -> Setup:
     """Validate everything a run needs and resolve every sharding, allocating nothing.
 
@@ -110,31 +117,32 @@ def assemble(
     batch (and runs it as one microbatch); 0 means the smallest batch the mesh splits evenly.
     Bad input raises UserError naming what to fix.
     """
-    cfg = load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
+    requested = (
+        load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
+    )
     device_mesh = build_mesh(mesh, dcn_mesh, devices)
-    platform = platform_of(device_mesh)
-    try:
-        attention_desc = attention.describe(cfg.model.attention_impl, cfg.train.seq_len, platform)
-        model_cfg = cfg.model
-        if platform != jax.default_backend():
-            # Compile-only devices of another platform (spmd.topology): the model is traced on this
-            # host, so it gets the implementation chosen for the devices, not for the host.
-            impl = attention.resolve(cfg.model.attention_impl, cfg.train.seq_len, platform)
-            model_cfg = dataclasses.replace(cfg.model, attention_impl=impl)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    # Every platform choice made here, once, for the mesh's devices (compile-only TPU devices in a
+    # dry-run, whatever this host is); the model and the steps get the concrete values.
+    choices = policy.resolve(requested, platform_of(device_mesh))
+    cfg = dataclasses.replace(
+        requested, model=dataclasses.replace(requested.model, attention_impl=choices.attention)
+    )
     memory.check(cfg, device_mesh)
-    resolved = (load_rules(rules) if isinstance(rules, str) else rules).with_attention(cfg.attention)
+    family = cfg.model_family
+    resolved = (load_rules(rules, family.logical_axes) if isinstance(rules, str) else rules).with_attention(
+        cfg.attention
+    )
+    resolved = resolved.with_defaults(family.logical_axes)
     if decoding:
         resolved = resolved.for_decoding()
     if batch_size is not None:
         B = batch_size or axes_size(device_mesh.shape, resolved.mapping.get("batch", ()))
-        cfg = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, global_batch_size=B, microbatches=1)
-        )
+        batch = {"global_batch_size": B, "microbatches": 1}
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **batch))
+        requested = dataclasses.replace(requested, train=dataclasses.replace(requested.train, **batch))
     plan = sharding_lib.plan(
-        model_cls,
-        model_cfg,
+        family,
+        cfg.model,
         device_mesh,
         resolved,
         cfg.train.global_batch_size,
@@ -144,11 +152,12 @@ def assemble(
     )
     return Setup(
         cfg=cfg,
+        requested=requested,
         mesh=device_mesh,
+        choices=choices,
         rules=resolved,
         plan=plan,
-        trainer=build_trainer(cfg, plan) if optimizer else None,
-        attention=attention_desc,
+        trainer=build_trainer(cfg, plan, choices) if optimizer else None,
         mesh_spec=mesh,
         dcn_mesh_spec=dcn_mesh,
     )

@@ -1,8 +1,8 @@
 """From a model's logical axis names and a rules file to concrete shardings, checks and a table.
 
-The model is any Flax NNX module class built as `model_cls(model_cfg, rngs=...)` whose parameters
-carry logical axes (`out_sharding` metadata) and which lists the activations it constrains in
-`ACTIVATION_AXES`; this module never names a particular model.
+The model is a family's (spmd.family): a Flax NNX module class built as `model_cls(model_cfg,
+rngs=...)` whose parameters carry logical axes (`out_sharding` metadata), with the activations it
+constrains listed by the family; this module never names a particular model.
 """
 
 import dataclasses
@@ -14,14 +14,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import context, moe, pipeline
+from spmd import context, expert_parallel, pipeline
 from spmd import rules as rules_lib
 from spmd.errors import UserError
 from spmd.logical import TOKEN_AXES, activation_sharding
 from spmd.mesh import axes_size, format_axes, format_mesh, spec_axes
 
 # The parallel implementations handed to models through the seam (spmd.logical.provided).
-PARALLEL_OPS = {"context_attention": context.context_attention, "dropless_moe": moe.dropless}
+PARALLEL_OPS = {"context_attention": context.context_attention, "dropless_moe": expert_parallel.dropless}
 
 
 def activate(rules, mesh, schedule: pipeline.Schedule | None = None):
@@ -77,8 +77,8 @@ class ParamInfo:
 
 @dataclasses.dataclass
 class ShardingPlan:
-    model_cls: type  # the NNX module class the plan was made for
-    model_cfg: object  # its config (spmd.models.llama.ModelConfig)
+    family: object  # the model family (spmd.family.ModelFamily) the plan was made for
+    model_cfg: object  # its config
     mesh: jax.sharding.Mesh
     rules: rules_lib.Rules
     graphdef: nnx.GraphDef
@@ -129,7 +129,7 @@ class ShardingPlan:
     def init_params(self, seed: int):
         """Real parameters (pure dict) of this plan's model, in stored layer order; call under jit
         with `param_shardings`."""
-        return self.from_canonical(init_params(self.model_cls, self.model_cfg, seed))
+        return self.from_canonical(init_params(self.family.model_cls, self.model_cfg, seed))
 
     def from_canonical(self, tree, shardings=None):
         """Parameters (or a state holding them) in canonical layer order -> as this plan stores
@@ -171,7 +171,7 @@ def _local_shape(shape, spec, sizes) -> tuple[int, ...]:
 
 
 def plan(
-    model_cls,
+    family,
     model_cfg,
     mesh,
     rules: rules_lib.Rules,
@@ -180,52 +180,39 @@ def plan(
     microbatches: int = 1,
     pipeline_cfg=None,
 ) -> ShardingPlan:
-    """Validate the rules against the model and mesh, and resolve every sharding. `pipeline_cfg`
-    (spmd.config.PipelineConfig) is the schedule when the rules split `layers` over `stage`."""
-    graphdef, abstract = abstract_model(model_cls, model_cfg)
+    """Validate the rules against the model (of `family`, spmd.family) and mesh, and resolve every
+    sharding. `pipeline_cfg` (spmd.pipeline.PipelineConfig) is the schedule when the rules split
+    `layers` over `stage`. `rules` may leave out the logical names the family adds (they take
+    their default mapping)."""
+    rules = rules.with_defaults(family.logical_axes)
+    graphdef, abstract = abstract_model(family.model_cls, model_cfg)
     sizes = mesh.shape
     flat = [(path_str(path), var) for path, var in nnx.to_flat_state(abstract)]
     specs = {p: tuple(v.get_metadata().get("out_sharding") or (None,) * len(v.shape)) for p, v in flat}
     shapes = {p: tuple(v.shape) for p, v in flat}
-    act_specs = {"batch tokens": TOKEN_AXES, **model_cls.ACTIVATION_AXES}
     micro = global_batch_size // microbatches
-    act_shapes = {
-        "batch tokens": (micro, seq_len),
-        "activation residual_BTD": (micro, seq_len, model_cfg.d_model),
-        "activation logits_BTV": (micro, seq_len, model_cfg.vocab_size),
-    }
-    if model_cfg.n_experts:
+    activations = family.activations(model_cfg, micro, seq_len)
+    act_specs = {"batch tokens": TOKEN_AXES, **{k: axes for k, (axes, _) in activations.items()}}
+    act_shapes = {"batch tokens": (micro, seq_len), **{k: s for k, (_, s) in activations.items() if s}}
+    figures = family.figures(model_cfg, seq_len)
+    if figures.n_experts:
         expert_axes = rules.mapping.get("expert", ())
         n = axes_size(sizes, expert_axes)
-        if model_cfg.n_experts % n:
+        if figures.n_experts % n:
             where = format_axes(sizes, expert_axes)
             raise UserError(
-                f"model.n_experts ({model_cfg.n_experts}) does not divide by the expert mesh axes "
+                f"moe.n_experts ({figures.n_experts}) does not divide by the expert mesh axes "
                 f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis"
             )
     # Parameters stacked over layers: the leading axis holds G layer groups (the smallest such
     # stack: an MoE model keeps its dense layers of a group in another stack of k * G).
     layered = {p: shapes[p][0] for p in specs if specs[p] and specs[p][0] == "layers"}
     groups = min(layered.values(), default=0)
-    schedule = pipeline.schedule_for(
-        pipeline_cfg,
-        mesh,
-        rules,
-        groups,
-        micro,
-        getattr(model_cfg, "n_layers", groups),
-    )
+    schedule = pipeline.schedule_for(pipeline_cfg, mesh, rules, groups, micro, figures.n_layers)
+    rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     # The KV cache exists only when decoding, which runs under the decoding rules (no pipeline).
-    cache = {k: v for k, v in act_specs.items() if "layers" in v}
-    rules_lib.validate(
-        rules,
-        {**specs, **{k: v for k, v in act_specs.items() if k not in cache}},
-        sizes,
-        {**shapes, **act_shapes},
-    )
-    if cache:
-        rules_lib.validate(rules.for_decoding(), cache, sizes)
-    problems = context.check(rules, mesh, model_cfg.n_heads, model_cfg.n_kv_heads, seq_len)
+    rules_lib.validate(rules.for_decoding(), family.cache_axes(model_cfg, False), sizes)
+    problems = context.check(rules, mesh, figures.n_heads, figures.n_kv_heads, seq_len)
     if problems:
         raise UserError(problems[0])
 
@@ -255,7 +242,7 @@ def plan(
         lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(path, x)), pure
     )
     return ShardingPlan(
-        model_cls=model_cls,
+        family=family,
         model_cfg=model_cfg,
         mesh=mesh,
         rules=rules,

@@ -87,7 +87,7 @@ def test_fp32_matches_reference(impl, causal, groups, segments, T):
 @pytest.mark.parametrize("T,chunk", [(64, 64), (130, 64), (1024, 128)])
 @pytest.mark.parametrize("causal,segments", [(True, False), (False, True)])
 def test_chunked_compiled_with_onednn_matches_reference(T, chunk, causal, segments):
-    """As the CPU train step compiles it (train.cpu_matmul=onednn): one tile, a partial last tile,
+    """As the CPU train step compiles it (cpu.matmul=onednn): one tile, a partial last tile,
     and 8 x 8 tiles, where the kernel before this one got the key gradients 100x off (a dot over
     all 1,024 queries times the scale, fused into oneDNN: spmd/cpu_matmul.py)."""
     rng = np.random.default_rng()
@@ -162,7 +162,7 @@ def test_cpu_attention_backward_matches_autodiff():
 
     def grads(f):
         loss = lambda q, k, v: jnp.sum(f(q, k, v, mask, H**-0.5).astype(jnp.float32) * w_o)  # noqa: E731
-        return cpu_matmul.jit(jax.grad(loss, argnums=(0, 1, 2)), "onednn", "cpu")
+        return cpu_matmul.jit(jax.grad(loss, argnums=(0, 1, 2)), "onednn")
 
     np.testing.assert_array_equal(ours(q32, k32, v32, mask, H**-0.5), plain(q32, k32, v32, mask, H**-0.5))
     truth = grads(plain)(q32, k32, v32)
@@ -240,12 +240,17 @@ def test_block_sizes_are_validated():
 
 
 def test_selection():
-    assert attention.resolve("auto", 64, "cpu") == "xla"
-    assert attention.resolve("auto", 4096, "cpu") == "chunked"
-    assert attention.resolve("auto", 64, "gpu") == "pallas"
-    assert "interpret mode" in attention.describe("pallas", 64, "cpu")
-    assert attention.resolve("pallas", 64, "tpu") == attention.resolve("auto", 64, "tpu") == "pallas_tpu"
-    assert "Mosaic" in attention.describe("auto", 64, "tpu")
+    from spmd import policy
+
+    assert policy.attention("auto", 64, "cpu") == "xla"
+    assert policy.attention("auto", 4096, "cpu") == "chunked"
+    assert policy.attention("auto", 64, "gpu") == "pallas"
+    assert policy.attention("pallas", 64, "tpu") == policy.attention("auto", 64, "tpu") == "pallas_tpu"
+    for requested, platform, note in (("pallas", "cpu", "interpret mode"), ("auto", "tpu", "Mosaic")):
+        choices = policy.Choices(
+            platform, requested, policy.attention(requested, 64, platform), "xla", "xla", None, None, False
+        )
+        assert note in choices.describe_attention()
 
 
 @pytest.mark.parametrize("impl", ["pallas", "chunked"])

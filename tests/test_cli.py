@@ -40,7 +40,7 @@ ERROR_CASES = {
     ),
     "unknown logical axis": (["--rules", "{tmp}/typo_rules.toml"], "unknown logical axis 'embd'"),
     "unknown rules preset": (["--rules", "zero3"], "unknown rules preset 'zero3'"),
-    "unknown config key": (["--set", "train.learnig_rate=1e-3"], "did you mean 'train.learning_rate'?"),
+    "unknown config key": (["--set", "train.learnig_rate=1e-3"], "did you mean 'optimizer.learning_rate'?"),
     "wrong --set type": (["--set", "train.global_batch_size=eight"], "expected an integer"),
     "missing data": (["--set", "data.path={tmp}/nope.txt"], "data file '{tmp}/nope.txt' not found"),
     "empty data": (["--set", "data.path={tmp}/empty.txt"], "is empty"),
@@ -54,12 +54,12 @@ ERROR_CASES = {
     ),
     "unknown flag": (["--meshh", "data=8"], "unrecognized arguments: --meshh"),
     "top_k above n_experts": (
-        ["--set", "model.n_experts=4", "--set", "model.top_k=5"],
-        "model.top_k (5) must be between 1 and model.n_experts (4)",
+        ["--set", "moe.n_experts=4", "--set", "moe.top_k=5"],
+        "moe.top_k (5) must be between 1 and moe.n_experts (4)",
     ),
     "experts indivisible": (
-        ["--mesh", "data=2,expert=4", "--rules", "ep", "--set", "model.n_experts=6"],
-        "model.n_experts (6) does not divide by the expert mesh axes expert=4",
+        ["--mesh", "data=2,expert=4", "--rules", "ep", "--set", "moe.n_experts=6"],
+        "moe.n_experts (6) does not divide by the expert mesh axes expert=4",
     ),
     "ulysses heads": (
         ["--mesh", "data=2,context=4", "--rules", "cp_ulysses"],
@@ -343,8 +343,8 @@ def test_a_diverged_run_stops_with_an_error_and_finite_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     result = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "40",
                         "--checkpoint-every", "2", "--log-every", "1", "--run-dir", str(run_dir),
-                        "--set", "train.learning_rate=1e6", "--set", "train.warmup_steps=0",
-                        "--set", "train.grad_clip=0")  # fmt: skip
+                        "--set", "optimizer.learning_rate=1e6", "--set", "optimizer.warmup_steps=0",
+                        "--set", "optimizer.grad_clip=0")  # fmt: skip
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: training diverged: steps ") and "5 in a row" in last

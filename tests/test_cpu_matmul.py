@@ -1,4 +1,4 @@
-"""train.cpu_matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/cpu_matmul.py)."""
+"""cpu.matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/cpu_matmul.py)."""
 
 import re
 import textwrap
@@ -19,7 +19,7 @@ _LIBRARY_CALL = re.compile(r"calls=%([\w.\-]+).*\"kind\":\"__(onednn|ynn|xnn)_fu
 
 
 def _programs(setting):
-    overrides = [*BF16, f"train.cpu_matmul={setting}"]
+    overrides = [*BF16, f"cpu.matmul={setting}"]
     setup = assemble("tiny", "", "dp", overrides=overrides, devices=jax.devices()[:1])
     trainer, batches = setup.trainer, setup.batches()
     state, batch = trainer.init_state(), batches.train_batch(0)
@@ -62,19 +62,19 @@ DROPPED_PROGRAMS = textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp
-    from spmd import cpu_matmul
+    from spmd import cpu_matmul, policy
 
     x = jnp.ones((1024, 1024))
     fallbacks = 0
     for i in range({n}):
         # a new oneDNN program each time, dropped by its caller while it runs ...
-        g = cpu_matmul.jit(lambda a: jnp.sin(a @ a) @ a, "onednn", "cpu")
+        g = cpu_matmul.jit(lambda a: jnp.sin(a @ a) @ a, "onednn")
         y = g(x)
         fallbacks += len(g.fallbacks)
         del g
         y.block_until_ready()
         # ... and one dropped right after its outputs are ready
-        f = cpu_matmul.jit(lambda a: a @ a.T, "onednn", "cpu")
+        f = cpu_matmul.jit(lambda a: a @ a.T, "onednn")
         f(x).block_until_ready()
         fallbacks += len(f.fallbacks)
         del f
@@ -93,8 +93,8 @@ def test_onednn_programs_may_be_dropped_while_they_run():
 
 
 def test_cpu_matmul_rejects_an_unknown_library():
-    with pytest.raises(UserError, match=r"train.cpu_matmul must be one of onednn, xla, got 'mkl'"):
-        load_config("tiny", ["train.cpu_matmul=mkl"])
+    with pytest.raises(UserError, match=r"cpu.matmul must be one of onednn, xla, got 'mkl'"):
+        load_config("tiny", ["cpu.matmul=mkl"])
 
 
 # XLA's other oneDNN mode, which fuses a dot's elementwise consumers into its oneDNN call
@@ -113,16 +113,16 @@ def fused_dots_jit(fun):
 
 def test_onednn_gets_the_flash_backward_right_with_individual_dots_and_wrong_with_fused_ones():
     """The flash kernel's causal backward (interpret mode): with oneDNN's fused dots XLA gives dq
-    of zeros and a wrong dk; with the individual dots train.cpu_matmul=onednn asks for, the same
+    of zeros and a wrong dk; with the individual dots cpu.matmul=onednn asks for, the same
     gradient as XLA's own libraries, so Pallas programs use oneDNN like the rest. When the fused
     form starts computing it right, the pin below fails: see spmd/cpu_matmul.py, _ONEDNN."""
-    from spmd import cpu_matmul
+    from spmd import cpu_matmul, policy
     from spmd.kernels.flash_attention import BlockSizes, flash_backward, flash_forward
 
-    assert cpu_matmul.compiler_options("onednn", "cpu") is not None
+    assert cpu_matmul.compiler_options(policy.matmul("onednn", "cpu")) is not None
     assert (
-        cpu_matmul.compiler_options("onednn", "gpu") is None
-        and cpu_matmul.compiler_options("xla", "cpu") is None
+        cpu_matmul.compiler_options(policy.matmul("onednn", "gpu")) is None
+        and cpu_matmul.compiler_options(policy.matmul("xla", "cpu")) is None
     )
 
     rng = np.random.default_rng()
@@ -154,16 +154,16 @@ GRADIENT_CASES = [
     ("float32", "chunked", {}),
     ("bfloat16", "xla", {}),
     ("float32", "xla", MOE),
-    ("bfloat16", "xla", {**MOE, "moe_dispatch": "dropless"}),
+    ("bfloat16", "xla", {**MOE, "dispatch": "dropless"}),
 ]
 
 
 @pytest.mark.parametrize(
-    "dtype,impl,extra",
+    "dtype,impl,moe",
     GRADIENT_CASES,
-    ids=[f"{d}-{i}-{e.get('moe_dispatch', 'capacity') if e else 'dense'}" for d, i, e in GRADIENT_CASES],
+    ids=[f"{d}-{i}-{e.get('dispatch', 'capacity') if e else 'dense'}" for d, i, e in GRADIENT_CASES],
 )
-def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
+def test_model_gradients_with_onednn_equal_xlas(dtype, impl, moe):
     """The whole model's gradient (rolled layer scan, causal attention blocks, SwiGLU, RoPE) with
     oneDNN's dot fusions against XLA's own libraries, every parameter, dense and MoE: equal to
     fp32 rounding in fp32, within a few bf16 roundings in bf16 (relative L2; measured up to 7e-4).
@@ -173,16 +173,18 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
     from flax import nnx
 
     from spmd import cpu_matmul
-    from spmd.models.llama import Decoder, ModelConfig
+    from spmd.models.llama import Llama, LlamaConfig
+    from spmd.models.moe import MoEConfig
     from spmd.sharding import init_params
 
-    cfg = ModelConfig(
-        dtype=dtype, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384, attention_impl=impl, **extra
-    )
+    cfg = LlamaConfig(
+        dtype=dtype, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384, attention_impl=impl,
+        moe=MoEConfig(**moe) if moe else None,
+    )  # fmt: skip
     bound = 1e-5 if dtype == "float32" else 2**-7
-    params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
+    params = jax.jit(lambda: init_params(Llama, cfg, 0))()
     with nnx.use_eager_sharding(False):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     tokens = jax.numpy.asarray(np.random.default_rng().integers(0, cfg.vocab_size, size=(4, 65)))
 
     def loss(params):
@@ -190,7 +192,7 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, extra):
         logp = jax.numpy.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
         return -jax.numpy.mean(logp)
 
-    program = cpu_matmul.jit(jax.grad(loss), "onednn", "cpu")
+    program = cpu_matmul.jit(jax.grad(loss), "onednn")
     ours = program(params)
     assert program.fallbacks == []  # the model's dots keep oneDNN (no fusion XLA gets wrong)
     xla = jax.jit(jax.grad(loss))(params)
@@ -244,7 +246,7 @@ def test_individual_onednn_dots_are_right_where_xla_gets_fused_ones_wrong(op, K,
     assert (err(fused(*args)) > 0.5) == fused_wrong, f"fused oneDNN dots: error {err(fused(*args))}"
     assert cpu_matmul.unsafe_onednn_fusions(fused.as_text())  # a dot and its elementwise consumers
 
-    ours = cpu_matmul.jit(f, "onednn", "cpu")
+    ours = cpu_matmul.jit(f, "onednn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = ours(*args)
@@ -265,7 +267,7 @@ def test_individual_onednn_dots_are_right_where_xla_gets_fused_ones_wrong(op, K,
 
 def test_chunked_attention_compiles_to_plain_onednn_dots():
     """The chunked kernel's dots run in oneDNN, each alone (no elementwise work fused in: what
-    train.cpu_matmul=onednn asks XLA for), forward and backward over 4 tiles."""
+    cpu.matmul=onednn asks XLA for), forward and backward over 4 tiles."""
     from spmd import cpu_matmul
     from spmd.kernels.chunked_attention import chunked_attention
 
@@ -276,6 +278,6 @@ def test_chunked_attention_compiles_to_plain_onednn_dots():
         o, vjp = jax.vjp(lambda q, k, v: chunked_attention(q, k, v, causal=True), q, k, v)
         return vjp(o)
 
-    text = cpu_matmul.jit(fwd_bwd, "onednn", "cpu").lower(q, k, v).compile().as_text()
+    text = cpu_matmul.jit(fwd_bwd, "onednn").lower(q, k, v).compile().as_text()
     assert text.count("__onednn_fusion") >= 6
     assert cpu_matmul.unsafe_onednn_fusions(text) == []

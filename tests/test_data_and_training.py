@@ -137,10 +137,10 @@ def test_a_non_finite_step_leaves_the_state_unchanged(tiny_cfg, devices):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("train.learning_rate=nan", "train.learning_rate must be a positive number"),
+        ("optimizer.learning_rate=nan", "optimizer.learning_rate must be a positive number"),
         ("model.init_std=nan", "model.init_std must be a positive number"),
         ("model.norm_eps=-1", "model.norm_eps must be a positive number"),
-        ("train.beta2=nan", "train.beta2 must be a finite number"),
+        ("optimizer.beta2=nan", "optimizer.beta2 must be a finite number"),
     ],
 )
 def test_config_values_that_can_only_give_nan_are_refused(override, message):
@@ -167,10 +167,10 @@ def test_a_mask_token_that_masks_every_target_is_refused(tmp_path):
 def test_cpu_copy_insertion_option_drops_the_moment_copies_and_changes_no_bit(
     n_devices, mesh, rules, overrides, monkeypatch
 ):
-    """spmd.train.train_step_compiler_options: on CPU, copy insertion with region analysis. The same
+    """spmd.policy.TRAIN_OPTIONS_CPU: on CPU, copy insertion with region analysis. The same
     program less copies: 3 steps give bit-identical states with and without it (one device, GSPMD,
     a pipeline's loops), and on one device the copies of the AdamW moments are gone."""
-    from spmd import train as train_lib
+    from spmd import policy
     from spmd.setup import assemble
 
     def three_steps():
@@ -183,8 +183,8 @@ def test_cpu_copy_insertion_option_drops_the_moment_copies_and_changes_no_bit(
         return jax.tree.map(np.asarray, jax.device_get(state)), program.as_text()
 
     with_option, text = three_steps()
-    assert train_lib.train_step_compiler_options(build_mesh("", devices=jax.devices()[:1])) is not None
-    monkeypatch.setattr(train_lib, "train_step_compiler_options", lambda mesh: None)
+    assert policy.resolve(load_config("tiny"), "cpu").train_options == policy.TRAIN_OPTIONS_CPU
+    monkeypatch.setattr(policy, "TRAIN_OPTIONS_CPU", {})
     without, text_without = three_steps()
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(with_option), jax.tree.leaves(without)):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))

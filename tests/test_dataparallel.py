@@ -1,4 +1,4 @@
-"""Data-parallel gradients summed as one flat vector (train.grad_reduce): the same sums and the same
+"""Data-parallel gradients summed as one flat vector (cpu.grad_reduce): the same sums and the same
 training as XLA's all-reduce of every array, in one collective operand; only pure data parallelism
 takes it."""
 
@@ -53,7 +53,7 @@ def train(mode: str, devices, steps: int = 3):
         "tiny",
         "data=8",
         "dp",
-        overrides=[f"train.grad_reduce={mode}", "train.microbatches=2", "train.global_batch_size=16"],
+        overrides=[f"cpu.grad_reduce={mode}", "train.microbatches=2", "train.global_batch_size=16"],
         devices=devices,
     )
     trainer, batches = setup.trainer, setup.batches()
@@ -62,7 +62,7 @@ def train(mode: str, devices, steps: int = 3):
     metrics = []
     for step in range(steps):
         state, m = compiled(state, batches.train_batch(step))
-        metrics.append({k: float(v) for k, v in m.items()})
+        metrics.append({k: float(v) for k, v in m.items() if k != "aux"})
     return (
         trainer,
         metrics,
@@ -102,9 +102,9 @@ def test_only_pure_data_parallelism_takes_the_flat_sum(devices, config, mesh, ru
     kwargs = {"devices": devices, "optimizer": True}
     auto = assemble(config, mesh, rules, overrides=["train.global_batch_size=16"], **kwargs)
     assert auto.trainer.flat_grad_axes is None
-    with pytest.raises(UserError, match="train.grad_reduce=flat needs a pure data-parallel layout"):
+    with pytest.raises(UserError, match="cpu.grad_reduce=flat needs a pure data-parallel layout"):
         assemble(
-            config, mesh, rules, overrides=["train.global_batch_size=16", "train.grad_reduce=flat"], **kwargs
+            config, mesh, rules, overrides=["train.global_batch_size=16", "cpu.grad_reduce=flat"], **kwargs
         )
 
 
@@ -112,5 +112,5 @@ def test_auto_is_xlas_all_reduce_in_one_process_and_bad_values_are_refused(devic
     # In one process XLA:CPU's collectives are memory copies: auto leaves them to XLA (in-process
     # A/B on `small`, data=2: 0.995x). Across processes it is flat (tests/test_multiprocess.py).
     assert assemble("tiny", "data=8", "dp", devices=devices).trainer.flat_grad_axes is None
-    with pytest.raises(UserError, match="train.grad_reduce must be one of auto, flat, xla, got 'ddp'"):
-        assemble("tiny", "data=8", "dp", overrides=["train.grad_reduce=ddp"], devices=devices)
+    with pytest.raises(UserError, match="cpu.grad_reduce must be one of auto, flat, xla, got 'ddp'"):
+        assemble("tiny", "data=8", "dp", overrides=["cpu.grad_reduce=ddp"], devices=devices)

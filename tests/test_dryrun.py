@@ -6,7 +6,7 @@ import pytest
 from test_cli import ROOT  # noqa: F401  (path setup shared with the CLI tests)
 from test_inference import run_script
 
-from spmd import dryrun
+from spmd import aot
 from spmd.setup import assemble
 
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 192
@@ -15,7 +15,7 @@ NORMS = 4 * (2 * L + 1) * D
 
 
 def report(mesh, rules, *sets):
-    return dryrun.dry_run(assemble("tiny", mesh, rules, overrides=sets))
+    return aot.dry_run(assemble("tiny", mesh, rules, overrides=sets))
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def _volume(r, kind, axes):
 
 
 def test_context_parallel_traffic_matches_the_analytic_minimum(devices):
-    """The model of what ring and all-gather attention send (spmd.dryrun.analytic_minimum) against the
+    """The model of what ring and all-gather attention send (spmd.aot.analytic_minimum) against the
     compiled step; both also all-reduce the gradients over `context`, whose devices see different tokens."""
     ring = report("context=8", "cp_ring")
     assert _volume(ring, "collective-permute", ("context",)) == ring["analytic_minimum_bytes"]["context"] > 0
@@ -110,7 +110,7 @@ def test_explain_attributes_tensor_parallel_traffic_to_its_rules(tmp_path):
     bad rules file splitting `embed` over tensor shows its traffic under "embed -> tensor"."""
     from spmd.rules import load_rules
 
-    tp = dryrun.dry_run(assemble("tiny", "data=4,tensor=2", "tp"), explain=True)["explain"]
+    tp = aot.dry_run(assemble("tiny", "data=4,tensor=2", "tp"), explain=True)["explain"]
     on_tensor = [r for r in tp["rules"] if "tensor" in r["rule"].split(" -> ")[1]]
     assert not [u for u in tp["unexplained"] if "tensor" in u["axes"]]
     tp_names = {n for n, axes in load_rules("tp").mapping.items() if "tensor" in axes}
@@ -124,7 +124,7 @@ def test_explain_attributes_tensor_parallel_traffic_to_its_rules(tmp_path):
 
     bad = tmp_path / "embed_tensor.toml"
     bad.write_text('extends = "dp"\ndescription = "bad: embed over tensor"\n\n[rules]\nembed = "tensor"\n')
-    worse = dryrun.dry_run(assemble("tiny", "data=4,tensor=2", str(bad)), explain=True)
+    worse = aot.dry_run(assemble("tiny", "data=4,tensor=2", str(bad)), explain=True)
     blamed = sum(r["volume_bytes"] for r in worse["explain"]["rules"] if r["rule"] == "embed -> tensor")
     assert blamed > 0.5 * worse["collective_volume_bytes"]  # most of what it sends is that rule's
     assert {r["what"] for r in worse["explain"]["rules"] if r["rule"] == "embed -> tensor"} >= {

@@ -121,7 +121,8 @@ def test_import_reads_both_rope_spellings_and_derives_the_config():
         16, True, "llama3", 32,
     )  # fmt: skip
     mixtral = hf.model_fields(json.loads((FIXTURES / "mixtral" / "config.json").read_text()), "m")
-    assert (mixtral["n_experts"], mixtral["top_k"], mixtral["moe_dispatch"]) == (4, 2, "dropless")
+    moe = mixtral["moe"]
+    assert (moe.n_experts, moe.top_k, moe.dispatch) == (4, 2, "dropless")
     assert hf.model_fields(json.loads((FIXTURES / "qwen2" / "config.json").read_text()), "q")["qkv_bias"]
 
 

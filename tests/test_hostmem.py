@@ -1,4 +1,4 @@
-"""train.host_heap (spmd/hostmem.py): freed heap memory kept for reuse (glibc's retained, or
+"""cpu.host_heap (spmd/hostmem.py): freed heap memory kept for reuse (glibc's retained, or
 tbbmalloc's through a relaunch), so that an XLA:CPU program's temporaries are not page-faulted in
 again on every execution. Each case runs in a fresh process: the switch is process-wide and cannot
 be undone."""
@@ -46,7 +46,7 @@ PROBE = textwrap.dedent(
 
 
 def probe(setting: str, steps: int) -> dict:
-    return run_fresh(PROBE.format(override=f"train.host_heap={setting}", steps=steps))
+    return run_fresh(PROBE.format(override=f"cpu.host_heap={setting}", steps=steps))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -172,18 +172,18 @@ def test_host_heap_choices(monkeypatch):
     assert choose("system", on_cpu=True, tbbmalloc_ok=True) == "system"
     assert hostmem.wanted("auto", on_cpu=True) and not hostmem.wanted("auto", on_cpu=False)
     assert hostmem.wanted("retain", on_cpu=False) and not hostmem.wanted("system", on_cpu=True)
-    with pytest.raises(UserError, match="train.host_heap must be one of auto, tbbmalloc, retain, system"):
-        load_config("tiny", ["train.host_heap=mmap"])
+    with pytest.raises(UserError, match="cpu.host_heap must be one of auto, tbbmalloc, retain, system"):
+        load_config("tiny", ["cpu.host_heap=mmap"])
     # asked for by name where the wheel is missing: a clear error, before anything changes
     monkeypatch.setattr(hostmem, "tbbmalloc_libraries", lambda: None)
-    with pytest.raises(UserError, match="train.host_heap=tbbmalloc needs Intel's tbb wheel"):
+    with pytest.raises(UserError, match="cpu.host_heap=tbbmalloc needs Intel's tbb wheel"):
         hostmem.prepare("tbbmalloc", may_relaunch=True)
 
 
 @pytest.mark.parametrize("command", ["sample", "eval"])
 def test_commands_that_load_a_checkpoint_set_the_heap_before_jax_starts(command, monkeypatch):
     """spmd-sample and spmd-eval learn their config from the checkpoint once JAX runs, so they set
-    train.host_heap's default first (config None), relaunching only from their command line."""
+    cpu.host_heap's default first (config None), relaunching only from their command line."""
     import importlib
 
     from spmd import setup
@@ -211,4 +211,4 @@ def test_commands_that_load_a_checkpoint_set_the_heap_before_jax_starts(command,
         hostmem, "prepare", lambda setting, may_relaunch: prepared.append((setting, may_relaunch))
     )
     original(None, may_relaunch=True)
-    assert prepared == [(load_config("tiny").train.host_heap, True)] and prepared[0][0] == "auto"
+    assert prepared == [(load_config("tiny").cpu.host_heap, True)] and prepared[0][0] == "auto"

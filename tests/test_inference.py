@@ -14,14 +14,18 @@ import pytest
 from flax import nnx
 from test_cli import ROOT, spmd_train
 
-from spmd.models.llama import Decoder, KVCache, ModelConfig
+from spmd.models.decoder import KVCache
+from spmd.models.llama import Llama, LlamaConfig
+from spmd.models.moe import MoEConfig
 from spmd.sharding import abstract_model, init_params
 
-CFG = ModelConfig(dtype="float32")
+CFG = LlamaConfig(dtype="float32")
 
 
 # Interleaved: groups of one dense and one MoE layer, so a per-layer cache's numbering is checked.
-MOE_CFG = dataclasses.replace(CFG, n_layers=4, n_experts=4, top_k=2, moe_every=2, capacity_factor=2.0)
+MOE_CFG = dataclasses.replace(
+    CFG, n_layers=4, moe=MoEConfig(n_experts=4, top_k=2, every=2, capacity_factor=2.0)
+)
 
 
 @pytest.mark.parametrize(
@@ -36,8 +40,8 @@ MOE_CFG = dataclasses.replace(CFG, n_layers=4, n_experts=4, top_k=2, moe_every=2
     ids=["scanned", "unrolled", "per-layer cache", "moe", "moe per-layer cache"],
 )
 def test_kv_cache_decoding_equals_the_full_forward_pass(cfg, per_layer):
-    graphdef, _ = abstract_model(Decoder, cfg)
-    params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
+    graphdef, _ = abstract_model(Llama, cfg)
+    params = jax.jit(lambda: init_params(Llama, cfg, 0))()
     model = nnx.merge(graphdef, params)
     rng = np.random.default_rng()
     tokens = rng.integers(0, 256, (3, 20))
@@ -111,8 +115,8 @@ def test_decoding_on_cpu_copies_no_layer_weights(devices, config, dtype):
 
 def test_left_padding_does_not_change_a_prompt(devices):
     """A short prompt padded on the left (as in a batch with a longer one) decodes as if alone."""
-    graphdef, _ = abstract_model(Decoder, CFG)
-    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
+    graphdef, _ = abstract_model(Llama, CFG)
+    params = jax.jit(lambda: init_params(Llama, CFG, 0))()
     model = nnx.merge(graphdef, params)
     prompt = np.random.default_rng().integers(0, 256, (1, 6))
     alone, _ = model(prompt, cache=KVCache.empty(CFG, 1, 6))

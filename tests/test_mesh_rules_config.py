@@ -135,8 +135,8 @@ def test_validate_names_duplicates_and_divisibility():
 
 
 def test_config_overrides_and_errors():
-    cfg = load_config("tiny", ["train.steps=7", "model.tie_embeddings=true", "train.learning_rate=1e-3"])
-    assert (cfg.train.steps, cfg.model.tie_embeddings, cfg.train.learning_rate) == (7, True, 1e-3)
+    cfg = load_config("tiny", ["train.steps=7", "model.tie_embeddings=true", "optimizer.learning_rate=1e-3"])
+    assert (cfg.train.steps, cfg.model.tie_embeddings, cfg.optimizer.learning_rate) == (7, True, 1e-3)
     with pytest.raises(UserError, match="unknown config key 'train.stpes'.*did you mean 'train.steps'"):
         load_config("tiny", ["train.stpes=3"])
     with pytest.raises(UserError, match="--set train.steps=ten: expected an integer"):

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from spmd.models.attention import xla_attention
-from spmd.models.llama import Decoder, ModelConfig, count_params, flops_per_token
+from spmd.models.llama import Llama, LlamaConfig, count_params, flops_per_token
 from spmd.sharding import init_params
 
-CFG = ModelConfig(dtype="float32")
+CFG = LlamaConfig(dtype="float32")
 
 
 def apply(cfg, params, tokens):
@@ -23,7 +23,7 @@ def apply(cfg, params, tokens):
 
 def _build(cfg):
     with nnx.use_eager_sharding(False):
-        return Decoder(cfg, rngs=nnx.Rngs(0))
+        return Llama(cfg, rngs=nnx.Rngs(0))
 
 
 def reference_attention(q, k, v):
@@ -46,7 +46,7 @@ def test_gqa_attention_matches_repeated_kv(n_kv):
 
 
 def test_causal_and_parameter_count():
-    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
+    params = jax.jit(lambda: init_params(Llama, CFG, 0))()
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(CFG)
     tokens = np.random.default_rng().integers(0, 256, size=(2, 32))
     changed = tokens.copy()
@@ -58,7 +58,7 @@ def test_causal_and_parameter_count():
 
 def test_tied_embeddings_share_the_table():
     cfg = dataclasses.replace(CFG, tie_embeddings=True)
-    params = jax.jit(lambda: init_params(Decoder, cfg, 0))()
+    params = jax.jit(lambda: init_params(Llama, cfg, 0))()
     assert "head_DV" not in params
     assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg)
 
@@ -69,7 +69,7 @@ def test_tied_and_untied_models_start_at_the_uniform_loss():
     targets = np.roll(tokens, -1, axis=1)
     for tied in (False, True):
         cfg = dataclasses.replace(CFG, tie_embeddings=tied)
-        params = jax.jit(lambda cfg=cfg: init_params(Decoder, cfg, 0))()
+        params = jax.jit(lambda cfg=cfg: init_params(Llama, cfg, 0))()
         logits = apply(cfg, params, tokens)
         loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
         assert abs(float(loss) - math.log(256)) < 0.05, (tied, float(loss))
@@ -77,7 +77,7 @@ def test_tied_and_untied_models_start_at_the_uniform_loss():
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_changes_nothing_numerically(remat):
-    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
+    params = jax.jit(lambda: init_params(Llama, CFG, 0))()
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
 
     def loss(cfg):
@@ -89,7 +89,7 @@ def test_remat_changes_nothing_numerically(remat):
 
 
 def test_bf16_compute_keeps_fp32_params_and_close_logits():
-    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
+    params = jax.jit(lambda: init_params(Llama, CFG, 0))()
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
     lo = apply(dataclasses.replace(CFG, dtype="bfloat16"), params, tokens)
@@ -105,7 +105,7 @@ def test_flops_per_token_formula():
 
 
 def test_scan_unroll_changes_nothing_numerically():
-    params = jax.jit(lambda: init_params(Decoder, CFG, 0))()
+    params = jax.jit(lambda: init_params(Llama, CFG, 0))()
     tokens = np.random.default_rng().integers(0, 256, size=(2, 16))
     np.testing.assert_allclose(
         apply(CFG, params, tokens),

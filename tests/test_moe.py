@@ -12,9 +12,9 @@ import pytest
 from conftest import run_training
 from flax import nnx
 
-from spmd import dryrun, hlo
+from spmd import aot, hlo
 from spmd.config import load_config
-from spmd.models.llama import Decoder, count_params
+from spmd.models.llama import Llama, count_params
 from spmd.models.moe import GROUP_TILE, MoE, dispatch_masks, grouped_swiglu, route
 from spmd.setup import assemble
 
@@ -69,7 +69,10 @@ def test_capacity_without_drops_equals_dropless():
     outs, grads = {}, {}
     for dispatch in ("capacity", "dropless"):
         # capacity_factor E/k gives every expert a slot for every token: nothing can drop.
-        c = dataclasses.replace(cfg, moe_dispatch=dispatch, capacity_factor=cfg.n_experts / cfg.top_k)
+        moe = dataclasses.replace(
+            cfg.moe, dispatch=dispatch, capacity_factor=cfg.moe.n_experts / cfg.moe.top_k
+        )
+        c = dataclasses.replace(cfg, moe=moe)
         with nnx.use_eager_sharding(False):
             model = MoE(c, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(model)
@@ -82,7 +85,7 @@ def test_capacity_without_drops_equals_dropless():
             f, argnums=(0, 1), has_aux=True
         )(params, x)
         grads[dispatch] = (grads[dispatch], dx)
-        assert float(stats.dropped) == 0
+        assert float(stats.sums["moe_dropped"]) == 0
     np.testing.assert_allclose(outs["capacity"], outs["dropless"], rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(grads["capacity"]), jax.tree.leaves(grads["dropless"])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -93,7 +96,7 @@ def moe_reference():
     """10 steps of tiny-moe on one device, for each dispatch path."""
     return {
         d: run_training(
-            load_config("tiny-moe", [f"model.moe_dispatch={d}"]), "", "dp", 10, devices=jax.devices()[:1]
+            load_config("tiny-moe", [f"moe.dispatch={d}"]), "", "dp", 10, devices=jax.devices()[:1]
         )
         for d in ("capacity", "dropless")
     }
@@ -114,7 +117,7 @@ def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rul
     ref_losses, ref_params, _ = moe_reference[dispatch]
     n = 4 if mesh == "expert=4" else 8
     losses, params, trainer = run_training(
-        load_config("tiny-moe", [f"model.moe_dispatch={dispatch}"]), mesh, rules, 10, devices=devices[:n]
+        load_config("tiny-moe", [f"moe.dispatch={dispatch}"]), mesh, rules, 10, devices=devices[:n]
     )
     assert losses[-1] < losses[0] - 0.5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -124,8 +127,8 @@ def test_expert_parallel_equals_one_device(devices, moe_reference, dispatch, rul
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_expert_parallel_exchanges_tokens_with_all_to_all(devices, dispatch):
-    setup = assemble("tiny-moe", "data=2,expert=4", "ep", overrides=[f"model.moe_dispatch={dispatch}"])
-    counts = {(c["kind"], tuple(c["axes"])): c["count"] for c in dryrun.dry_run(setup)["collectives"]}
+    setup = assemble("tiny-moe", "data=2,expert=4", "ep", overrides=[f"moe.dispatch={dispatch}"])
+    counts = {(c["kind"], tuple(c["axes"])): c["count"] for c in aot.dry_run(setup)["collectives"]}
     assert counts.get(("all-to-all", ("expert",)), 0) >= 2, counts  # out to the experts and back
 
 
@@ -140,8 +143,8 @@ def test_moe_metrics_and_parameter_count(devices, moe_reference):
     from spmd.data import make_batches
 
     _, m = trainer.train_step(state, make_batches(cfg, trainer.plan.batch_sharding).train_batch(0))
-    m = jax.device_get(m)
-    choices = cfg.train.global_batch_size * cfg.train.seq_len * cfg.model.top_k
+    m = jax.device_get(m)["aux"]
+    choices = cfg.train.global_batch_size * cfg.train.seq_len * cfg.model.moe.top_k
     assert (
         0 <= m["moe_dropped_fraction"] < 1 and m["moe_aux_loss"] >= 1.0 - 1e-3
     )  # E * sum f P >= 1 (balanced: 1)
@@ -161,23 +164,24 @@ def test_expert_parameters_split_over_expert_axis(devices):
 def test_errors(devices):
     from spmd.errors import UserError
 
-    with pytest.raises(UserError, match=r"model.top_k \(9\) must be between 1 and model.n_experts \(8\)"):
-        load_config("tiny-moe", ["model.top_k=9"])
-    cfg = load_config("tiny-moe", ["model.n_experts=6"])
+    with pytest.raises(UserError, match=r"moe.top_k \(9\) must be between 1 and moe.n_experts \(8\)"):
+        load_config("tiny-moe", ["moe.top_k=9"])
+    cfg = load_config("tiny-moe", ["moe.n_experts=6"])
     with pytest.raises(
-        UserError, match=r"model.n_experts \(6\) does not divide by the expert mesh axes expert=4"
+        UserError, match=r"moe.n_experts \(6\) does not divide by the expert mesh axes expert=4"
     ):
         assemble(cfg, "data=2,expert=4", "ep")
 
 
 def test_decoder_with_moe_decodes_like_full_forward():
-    from spmd.models.llama import KVCache
+    from spmd.models.decoder import KVCache
 
+    cfg = load_config("tiny-moe").model
     cfg = dataclasses.replace(
-        load_config("tiny-moe").model, capacity_factor=4.0
+        cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=4.0)
     )  # nothing drops: 1 token at a time
     with nnx.use_eager_sharding(False):
-        model = Decoder(cfg, rngs=nnx.Rngs(0))
+        model = Llama(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(1, 12)))
     full = model(tokens)
     cache = KVCache.empty(cfg, 1, 12)

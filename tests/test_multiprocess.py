@@ -13,7 +13,7 @@ import pytest
 from test_cli import ROOT, spmd_train
 
 from spmd import checkpoint as ckpt
-from spmd.launch import free_port
+from spmd.launcher import free_port
 
 pytestmark = pytest.mark.slow
 # The schedule is fixed at 12 steps so that a run stopped at step 4 or 8 uses the same learning rates.
@@ -28,7 +28,7 @@ TRAIN = [
     "--eval-every",
     "4",
     "--set",
-    "train.schedule_steps=12",
+    "optimizer.schedule_steps=12",
 ]
 
 
@@ -97,12 +97,12 @@ def test_two_processes_match_one(reference, tmp_path):
 
 
 def test_pure_data_parallelism_across_processes_sums_gradients_as_one_vector(reference, tmp_path):
-    """train.grad_reduce=auto takes the flat gradient sum across processes (gloo pays per
+    """cpu.grad_reduce=auto takes the flat gradient sum across processes (gloo pays per
     all-reduce operand) and trains as the 8-device reference (the first 4 of its 12 steps)."""
     args = ["--rules", "dp", "--dcn-mesh", "data=2", "--mesh", "data=4", "--steps", "4"]
     result = launch(2, 4, *args, "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "gradients: summed as one vector per dtype over data (train.grad_reduce=auto)" in result.stderr
+    assert "gradients: summed as one vector per dtype over data (cpu.grad_reduce=auto)" in result.stderr
     ours, theirs = records(tmp_path / "run"), [r for r in reference if r["step"] <= 4]
     assert_close(ours, theirs)
     # A gradient summed twice would train alike under AdamW and clipping; its norm would not.

@@ -11,13 +11,13 @@ from conftest import run_training
 from spmd import checkpoint as ckpt
 from spmd.config import load_config
 from spmd.errors import UserError
+from spmd.optimizer import lr_schedule
 from spmd.setup import assemble
-from spmd.train import lr_schedule
 
 STEPS = 3
 CASES = {
     "adafactor": ["optimizer.name=adafactor"],
-    "lion": ["optimizer.name=lion", "train.learning_rate=3e-4"],  # Lion's updates are sign(.) x lr
+    "lion": ["optimizer.name=lion", "optimizer.learning_rate=3e-4"],  # Lion's updates are sign(.) x lr
     "sgd": ["optimizer.name=sgd"],
     "muon": ["optimizer.name=muon"],
     "adamw-bf16": ["optimizer.state_dtype=bfloat16"],
@@ -34,7 +34,7 @@ def test_each_optimizer_trains_under_fsdp_tp_as_on_one_device(devices, case):
         # A bf16 first moment rounds the (fp32, reduction-order dependent) gradient sums to 8 bits,
         # so a value on a rounding boundary can land one bf16 ulp apart on the two layouts: each
         # step's update (at most lr in size for Adam) may then differ by lr x 2^-8.
-        bound = sum(float(lr_schedule(cfg.train)(s)) for s in range(STEPS)) * 2**-8
+        bound = sum(float(lr_schedule(cfg.optimizer, cfg.train.steps)(s)) for s in range(STEPS)) * 2**-8
         tol = {"rtol": 0, "atol": bound}
     else:
         tol = {"rtol": 1e-4, "atol": 1e-6}
@@ -43,7 +43,7 @@ def test_each_optimizer_trains_under_fsdp_tp_as_on_one_device(devices, case):
 
 
 def test_state_dtype_halves_the_first_moment_in_the_dry_run(devices):
-    from spmd import dryrun, sharding
+    from spmd import aot, sharding
 
     fp32 = assemble("tiny", "fsdp=8", "fsdp")
     bf16 = assemble("tiny", "fsdp=8", "fsdp", overrides=["optimizer.state_dtype=bfloat16"])
@@ -51,7 +51,7 @@ def test_state_dtype_halves_the_first_moment_in_the_dry_run(devices):
     opt32 = sharding.tree_bytes_per_device(fp32.trainer.abstract_state["opt_state"])
     opt16 = sharding.tree_bytes_per_device(bf16.trainer.abstract_state["opt_state"])
     assert opt32 - opt16 == params // 2  # mu in bf16; nu stays in the parameters' dtype
-    assert dryrun.dry_run(bf16)["per_device_bytes"]["optimizer_state"] == opt16
+    assert aot.dry_run(bf16)["per_device_bytes"]["optimizer_state"] == opt16
 
 
 def test_a_checkpoint_keeps_its_optimizer(devices, tmp_path):
@@ -112,7 +112,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(devi
     returns it in host memory space (S(5) in XLA's entry layout), training is bit-identical, the
     dry-run moves its bytes from the device peak to `host`, and its checkpoint restores onto a
     mesh without offload."""
-    from spmd import dryrun
+    from spmd import aot
 
     plain = assemble("tiny", "fsdp=4,tensor=2", "fsdp_tp", devices=devices)
     off = assemble(
@@ -136,7 +136,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(devi
     args, results = layout.split(")->", 1)
     assert args.count("S(5)") == len(opt_leaves) and results.count("S(5)") == len(opt_leaves)
 
-    r_plain, r_off = dryrun.dry_run(plain)["per_device_bytes"], dryrun.dry_run(off)
+    r_plain, r_off = aot.dry_run(plain)["per_device_bytes"], aot.dry_run(off)
     host = r_off["per_device_bytes"]["host"]
     assert host == r_plain["optimizer_state"] > 0 and r_plain["host"] == 0
     assert r_off["per_device_bytes"]["peak"] == r_plain["peak"] - host

@@ -12,7 +12,7 @@ from spmd import context
 from spmd.config import apply_overrides
 from spmd.data import PACKED_FIELDS, PackedWindowSource
 from spmd.setup import assemble
-from spmd.train import token_losses
+from spmd.trainer import token_losses
 
 T = 32
 # Two packed rows of T + 1 tokens (inputs and shifted targets): 3 + 2 documents, cut exactly at

@@ -11,8 +11,8 @@ import pytest
 from conftest import run_training
 from test_cli import spmd_train
 
+from spmd.aot import dry_run, estimate
 from spmd.config import load_config
-from spmd.dryrun import dry_run, estimate
 from spmd.pipeline import layer_order
 from spmd.rules import load_rules
 from spmd.setup import assemble
@@ -92,7 +92,7 @@ def test_checkpoint_moves_out_of_and_into_a_pipeline(tmp_path, deep_single):
     with the unmoved run's losses (checkpoints hold the canonical layer order)."""
     ref_losses = deep_single[0]
     common = ["--config", "tiny", "--host-devices", "8", "--set", "model.n_layers=8", "--set",
-              "train.schedule_steps=40", "--set", "checkpoint.every=2", "--log-every", "1"]  # fmt: skip
+              "optimizer.schedule_steps=40", "--set", "checkpoint.every=2", "--log-every", "1"]  # fmt: skip
     legs = [
         (
             "stage=4,data=2",
@@ -204,7 +204,7 @@ def test_gather_once_gathers_fsdp_weights_once_per_step_not_per_iteration(device
 
 
 def test_planner_searches_stage_and_decoding_runs_without_a_pipeline(devices):
-    from spmd.plan import enumerate_candidates
+    from spmd.planner import enumerate_candidates
 
     cfg = load_config("tiny", DEEP)
     found = {

@@ -3,7 +3,7 @@
 import pytest
 from test_inference import run_script
 
-from spmd.plan import parse_bytes
+from spmd.planner import parse_bytes
 
 
 def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
@@ -106,7 +106,7 @@ def test_parse_bytes(text, value):
 
 def test_one_hardware_table_serves_mfu_and_the_planner():
     from spmd.hardware import chip_for, planner_chips
-    from spmd.plan import hardware
+    from spmd.planner import hardware
 
     assert chip_for("NVIDIA H100 80GB HBM3")[0] == "h100" and chip_for("TPU v5 lite")[0] == "tpu-v5e"
     assert chip_for("cpu") is None  # a CPU's peak is measured, never looked up

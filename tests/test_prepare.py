@@ -256,7 +256,7 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
         paths.append(str(tmp_path / name))
     sources = json.dumps([{"path": paths[0], "weight": 2}, {"path": paths[1], "name": "en"}])
     base = ["--config", "tiny", "--mesh", "fsdp=2", "--host-devices", "2", "--set", f"data.sources={sources}",
-            "--set", "data.packing=segments", "--set", "train.seq_len=32", "--set", "train.schedule_steps=6",
+            "--set", "data.packing=segments", "--set", "train.seq_len=32", "--set", "optimizer.schedule_steps=6",
             "--log-every", "1", "--eval-every", "3"]  # fmt: skip
     base += ["--set", "model.vocab_size=320"]
     whole = spmd_train(*base, "--steps", "6", "--run-dir", str(tmp_path / "whole"))

@@ -83,7 +83,7 @@ def test_weight_decay_follows_the_parameters_declaration(tiny_cfg, devices):
     """Norm scales declare weight_decay=False (models/layers.py); every matrix is decayed."""
     import jax
 
-    from spmd.train import decay_mask
+    from spmd.optimizer import decay_mask
 
     plan = resolved(tiny_cfg, "fsdp")
     mask = {

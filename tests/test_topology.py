@@ -21,7 +21,7 @@ def v5e():
 
 
 def dry(devices, mesh, rules, *overrides, config="tiny"):
-    from spmd.dryrun import dry_run
+    from spmd.aot import dry_run
     from spmd.setup import assemble
 
     return dry_run(assemble(config, mesh, rules, overrides=list(overrides), devices=devices), explain=True)
@@ -141,7 +141,7 @@ def test_two_slices_compile_with_the_dcn_mesh_across_them():
 
     devices = topology.devices("v5e:2x2", num_slices=2)
     assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}
-    from spmd.dryrun import dry_run
+    from spmd.aot import dry_run
     from spmd.setup import assemble
 
     s = assemble("tiny", "fsdp=4", "fsdp", devices=devices, dcn_mesh="data=2")
@@ -167,7 +167,7 @@ def test_host_offload_is_compiled_for_tpu_and_counted_in_host_memory(v5e):
 
 
 def test_a_step_that_cannot_fit_is_the_compilers_refusal_named(v5e):
-    from spmd.dryrun import DoesNotFit
+    from spmd.aot import DoesNotFit
 
     with pytest.raises(DoesNotFit, match="does not fit TPU v5 lite: .*exceeds available HBM"):
         dry(v5e, "data=4", "dp", "train.global_batch_size=64", "train.seq_len=16384", config="small")

@@ -191,11 +191,12 @@ def import_hf(args) -> int:
     )
     if jax.process_index():
         return 0
-    m = done["config"].model
+    cfg = done["config"]
+    m, fig = cfg.model, cfg.model_family.figures(cfg.model, cfg.train.seq_len)
     tokenizer = f"; tokenizer {', '.join(done['tokenizer'])}" if done["tokenizer"] else "; no tokenizer file"
     print(
-        f"imported {done['architecture']} ({m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}"
-        f"{f', {m.n_experts} experts' if m.n_experts else ''}): {done['tensors']} tensors, "
+        f"imported {done['architecture']} (family {cfg.model_family.name}, {m.n_layers} layers, d_model "
+        f"{m.d_model}, vocab {m.vocab_size}{f', {fig.n_experts} experts' if fig.n_experts else ''}): {done['tensors']} tensors, "
         f"{fmt_bytes(done['bytes'])} as {m.param_dtype} -> {args.run_dir}/checkpoints/0{tokenizer}\n"
         f"next: spmd-train --init-from {args.run_dir} --run-dir RUN_DIR  (or spmd-eval --run-dir {args.run_dir})"
     )

@@ -1,5 +1,5 @@
 """`spmd-dryrun`: per-device memory, FLOPs and collectives of a train step, compiled for a mesh on
-fake devices without allocating anything (spmd.dryrun)."""
+fake devices without allocating anything (spmd.aot)."""
 
 import argparse
 import json
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from spmd.dryrun import dry_run
+    from spmd.aot import dry_run
     from spmd.errors import UserError
     from spmd.setup import assemble
 

@@ -1,4 +1,4 @@
-"""`spmd-launch`: run N processes of a command on this machine as one jax.distributed job (spmd.launch)."""
+"""`spmd-launch`: run N processes of a command on this machine as one jax.distributed job (spmd.launcher)."""
 
 import argparse
 import sys
@@ -7,11 +7,11 @@ from spmd.cli.common import Parser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spmd import launch
+    from spmd import launcher
 
     p = Parser(
         prog="spmd-launch",
-        description=launch.__doc__.split("\n\n")[0],
+        description=launcher.__doc__.split("\n\n")[0],
         epilog="example: spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=8",
     )
     p.add_argument("--processes", type=int, required=True, help="number of processes")
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from spmd.errors import UserError
-    from spmd.launch import launch
+    from spmd.launcher import launch
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

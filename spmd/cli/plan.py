@@ -1,5 +1,5 @@
 """`spmd-plan`: choose a mesh and rules preset for a model on N devices within a memory budget
-(the search itself is spmd.plan)."""
+(the search itself is spmd.planner)."""
 
 import argparse
 import sys
@@ -9,9 +9,9 @@ from spmd.hardware import planner_chips
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spmd import plan
+    from spmd import planner
 
-    p = Parser(prog="spmd-plan", description=plan.__doc__.split("\n\n")[0])
+    p = Parser(prog="spmd-plan", description=planner.__doc__.split("\n\n")[0])
     p.add_argument("--config", default="small")
     p.add_argument("--devices", type=int, help="how many devices [--topology's]")
     p.add_argument("--memory-per-device", help="e.g. 80GiB [--topology's HBM per device]")
@@ -55,7 +55,7 @@ def _t(seconds: float) -> str:
 
 
 def run(args) -> int:
-    from spmd import plan
+    from spmd import planner
     from spmd.config import load_config
     from spmd.errors import UserError
     from spmd.sharding import fmt_bytes
@@ -80,13 +80,13 @@ def run(args) -> int:
     elif args.host_devices is None:
         set_host_devices(args.devices)
     cfg = load_config(args.config, args.set)
-    budget = plan.parse_bytes(memory)
-    hw = plan.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
+    budget = planner.parse_bytes(memory)
+    hw = planner.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
     if device_list:
         from spmd.hardware import cores_per_chip
 
         hw = {k: v / cores_per_chip(device_list) for k, v in hw.items()}
-    found = plan.search(cfg, args.devices, budget, hw, args.dcn, plan.search_axes(cfg, args.axes), args.candidates,
+    found = planner.search(cfg, args.devices, budget, hw, args.dcn, planner.search_axes(cfg, args.axes), args.candidates,
                         args.max_compiles, device_list)  # fmt: skip
 
     print(

@@ -21,14 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    # only a command run from its command line may relaunch itself (train.host_heap: tbbmalloc)
+    # only a command run from its command line may relaunch itself (cpu.host_heap: tbbmalloc)
     return run_main(build_parser(), lambda args: run(args, may_relaunch=argv is None), argv)
 
 
 def run(args, may_relaunch: bool = False) -> int:
     from spmd.setup import before_jax_starts
 
-    # the host heap spmd-train runs with (train.host_heap's default): each step's temporaries reused,
+    # the host heap spmd-train runs with (cpu.host_heap's default): each step's temporaries reused,
     # not faulted in again (a `small` token step at batch 16: 2.33-2.64 ms -> 1.80-2.28 ms)
     before_jax_starts(None, may_relaunch=may_relaunch)
     from spmd import inference

@@ -19,7 +19,7 @@ examples:
   spmd-train --config small --mesh fsdp=8 --rules fsdp --host-devices 8 --run-dir runs/quickstart
   spmd-train --config tiny --mesh data=2,fsdp=2,tensor=2 --rules fsdp_tp --host-devices 8 --steps 20
   spmd-train --config llama-8b --mesh fsdp=-1,tensor=4 --rules fsdp_tp --host-devices 64 --print-sharding
-  spmd-train --config tiny --set train.learning_rate=1e-3 --set model.remat=full
+  spmd-train --config tiny --set optimizer.learning_rate=1e-3 --set model.remat=full
 
 mesh axes: data, fsdp, context, expert, tensor (unnamed axes are 1; one size may be -1 = fill).
 Config keys are listed in README.md ("Config keys"); --set takes section.key=value.
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.learning_rate=1e-3 (repeatable)",
+        help="override a config key, e.g. --set optimizer.learning_rate=1e-3 (repeatable)",
     )
     add_host_devices(p, "simulate N CPU devices per process (uses the CPU backend)", from_env=True)
     add("--seed", type=int, help="seed for init and data order (overrides train.seed)")
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    # only a command run from its command line may relaunch itself (train.host_heap=tbbmalloc)
+    # only a command run from its command line may relaunch itself (cpu.host_heap=tbbmalloc)
     return run_main(build_parser(), lambda args: run(args, may_relaunch=argv is None), argv)
 
 
@@ -304,15 +304,19 @@ def describe_run(
     from spmd import hostmem
     from spmd.mesh import format_mesh
     from spmd.metrics import peak_flops
-    from spmd.models.llama import count_params, flops_per_token
     from spmd.sharding import fmt_bytes, tree_bytes_per_device
 
     cfg, plan = setup.cfg, setup.plan
     T, B = cfg.train.seq_len, cfg.train.global_batch_size
+    figures = plan.family.figures(cfg.model, T)
     peak, peak_how = peak_flops(cfg.model.dtype)
     resolved = {
         **setup.to_json(),
-        "model": {"params": count_params(cfg.model), "flops_per_token": flops_per_token(cfg.model, T)},
+        "model": {
+            "family": plan.family.name,
+            "params": figures.params,
+            "flops_per_token": figures.flops_per_token,
+        },
         "peak_flops": {"value": peak, "source": peak_how},
         "data": batches.description,
         **({"init_from": init_from} if init_from else {}),
@@ -335,7 +339,7 @@ def describe_run(
     devices, n_proc = jax.devices(), jax.process_count()
     opt_bytes = tree_bytes_per_device(setup.trainer.abstract_state["opt_state"])
     lines = [
-        f"config {cfg.name}: {count_params(cfg.model):,} params, {cfg.model.n_layers} layers, "
+        f"config {cfg.name}: {plan.family.name}, {figures.params:,} params, {cfg.model.n_layers} layers, "
         f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}",
         f"attention: {setup.attention}",
         f"mesh: {format_mesh(setup.mesh.shape)} over {len(devices)} {devices[0].platform} devices "
@@ -350,14 +354,14 @@ def describe_run(
         *(
             [
                 f"gradients: summed as one vector per dtype over {', '.join(a for a in setup.trainer.flat_grad_axes if setup.mesh.shape[a] > 1)} "
-                f"(train.grad_reduce={cfg.train.grad_reduce})"
+                f"(cpu.grad_reduce={cfg.cpu.grad_reduce})"
             ]
             if setup.trainer.flat_grad_axes
             else []
         ),
         *(
             [
-                f"host heap: {hostmem.active()}, freed memory kept for the next step (train.host_heap={cfg.train.host_heap})"
+                f"host heap: {hostmem.active()}, freed memory kept for the next step (cpu.host_heap={cfg.cpu.host_heap})"
             ]
             if hostmem.retained()
             else []
@@ -389,7 +393,7 @@ def train(
     from spmd import checkpoint as ckpt
     from spmd import goodput, loop
     from spmd.metrics import MetricsWriteError, MetricsWriter
-    from spmd.train import evaluate_all
+    from spmd.trainer import evaluate_all
     from spmd.watchdog import Watchdog
 
     cfg, trainer = setup.cfg, setup.trainer

@@ -52,9 +52,6 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     the embedding lookup forward and the logits' input gradient backward; pipeline parallelism
     sends each microbatch's (b, T, D) activations to the next stage once per repeat, forward, and
     their gradients back."""
-    from spmd.models.llama import layer_groups
-    from spmd.models.moe import dispatched_shape
-
     sizes = dict(plan.mesh.shape)
     batch_axes = plan.rules.mapping.get("batch", ())
     expert_axes = plan.rules.mapping.get("expert", ())
@@ -64,7 +61,8 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     grad_axes = batch_axes + seq_axes
     # Pipeline stages hold different layers: a parameter split over them is never gathered.
     stage_axes = plan.schedule.axes if plan.schedule is not None else ()
-    m = cfg.model
+    m = cfg.model  # the settings every family has: dtype, remat
+    fig = plan.family.figures(m, cfg.train.seq_len)
     # Each layer's gathered weights are freed after its forward and gathered again for its
     # backward (there, once for recomputation and gradients both): keeping them instead would hold
     # every layer's unsharded weights from forward to backward, the memory FSDP exists to save.
@@ -82,9 +80,8 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     platform = platform_of(plan.mesh)
     read_itemsize = min(itemsize, 2) if platform == "tpu" else itemsize
     # An MoE layer's (B, E, C, D) dispatched tokens (capacity path; the
-    # dropless path's padded buffers are larger, spmd/moe.py).
-    groups, _, has_moe = layer_groups(m)
-    dispatched = math.prod(dispatched_shape(m, B, cfg.train.seq_len)) * itemsize if has_moe else 0
+    # dropless path's padded buffers are larger, spmd/expert_parallel.py).
+    dispatched = math.prod(fig.dispatched_shape(B)) * itemsize if fig.n_experts else 0
     out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0, "stage": 0.0}
     for p in plan.params:
         axes = [a for e in p.spec for a in spec_axes(e)]
@@ -101,7 +98,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         gathered = used * p.bytes_total / (shard / f)
         if f > 1:  # the weights gathered (forward, again in the backward), the gradient reduce-scattered
             cost = (gathers * read / used + 1) * gathered * (f - 1) / f
-            if p.logical[:1] == ("vocab",) and not m.tie_embeddings:
+            if p.logical[:1] == ("vocab",) and not fig.tie_embeddings:
                 # The embedding table is only read by the lookup: instead of gathering it, the
                 # devices can send each other the pieces of the rows their tokens need, and the
                 # rows' gradients back; whichever is less.
@@ -120,8 +117,8 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
             grad, replicas = grad / z, replicas // z
         if replicas > 1:
             out["data"] += 2 * grad * (replicas - 1) / replicas
-    act = B * T * m.d_model * itemsize  # one (B, T, D) activation
-    n_layers = m.n_layers // (plan.schedule.stages if plan.schedule is not None else 1)
+    act = B * T * fig.d_model * itemsize  # one (B, T, D) activation
+    n_layers = fig.n_layers // (plan.schedule.stages if plan.schedule is not None else 1)
     t = sizes.get("tensor", 1)
     if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
         # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
@@ -134,7 +131,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
         # An MoE layer's MLP is its experts: their partial sums are of the dispatched tokens
         # (B, E, C, D), which the backward also recomputes under any remat (the expert einsums have
         # a batch dimension, so save_dots does not keep them, and combining reads their output).
-        n_moe = groups * n_layers // m.n_layers if has_moe else 0
+        n_moe = fig.moe_layers * n_layers // fig.n_layers
         moe = 2 + (1 if m.remat != "none" else 0)
         sums = n_layers * attention * act + (n_layers - n_moe) * 2 * act + n_moe * moe * dispatched
         out["tensor"] = 2 * sums * (t - 1) / t
@@ -149,7 +146,7 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     if n_ctx > 1:
         # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
         t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1
-        kv = 2 * B * T * (m.n_kv_heads // t_heads) * m.head_dim * itemsize
+        kv = 2 * B * T * (fig.n_kv_heads // t_heads) * fig.head_dim * itemsize
         mode = plan.rules.context_parallel
         if mode == "ring":
             # Forward: K/V pass n-1 hops. Backward (kernels/ring_attention.py): K/V again n-1 hops,
@@ -158,25 +155,25 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
             per_layer = 2 * (n_ctx - 1) * (kv + B * T * 4) + n_ctx * kv * 4 / itemsize
         elif mode == "ulysses":
             # q, k, v to head-sharded and o back, forward; their gradients, backward.
-            qo = 2 * B * T * (m.n_heads // t_heads) * m.head_dim * itemsize
+            qo = 2 * B * T * (fig.n_heads // t_heads) * fig.head_dim * itemsize
             per_layer = 2 * (qo + kv) * (n_ctx - 1) / n_ctx
         else:  # allgather: gather K/V (and positions) forward, reduce-scatter their gradients backward
             per_layer = 2 * (n_ctx - 1) * kv + (n_ctx - 1) * B * T * 4
         out["context"] = n_layers * per_layer
     n_ep = axes_size(sizes, expert_axes)
-    if m.n_experts and n_ep > 1:
+    if fig.n_experts and n_ep > 1:
         # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
         # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer; under remat the backward
         # moves them again (the experts' inputs and outputs are not saved: their einsums have a
         # batch dimension): 6.
         stages = plan.schedule.stages if plan.schedule is not None else 1
         moves = 4 + (2 if m.remat != "none" else 0)
-        out["expert"] = moves * groups // stages * dispatched * (n_ep - 1) / n_ep
+        out["expert"] = moves * fig.moe_layers // stages * dispatched * (n_ep - 1) / n_ep
     schedule = plan.schedule
     if schedule is not None:
         # Every row of the device's batch enters each of its stage's R layer groups once: its
         # activations sent on once per repeat, forward, and their gradient back.
-        out["stage"] = 2 * schedule.repeats * B * T * m.d_model * itemsize
+        out["stage"] = 2 * schedule.repeats * B * T * fig.d_model * itemsize
     return out
 
 
@@ -233,10 +230,9 @@ def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
     """Roofline step time: compute at `hw["peak"]` (stretched by a pipeline's bubble: each stage
     idles (S-1)/(M R + S-1) of the step) plus each axis's bytes (default: the analytic minimum)
     over its link, ICI or, for the outermost axes spanning `dcn` hosts, DCN."""
-    from spmd.models.llama import flops_per_token
-
     sizes = dict(plan.mesh.shape)
-    compute = flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.global_batch_size * cfg.train.seq_len
+    flops_per_token = plan.family.figures(cfg.model, cfg.train.seq_len).flops_per_token
+    compute = flops_per_token * cfg.train.global_batch_size * cfg.train.seq_len
     bubble = plan.schedule.bubble_fraction if plan.schedule is not None else 0.0
     compute_s = compute / plan.mesh.size / hw["peak"] / (1 - bubble)
     volume = volume if volume is not None else analytic_minimum(cfg, plan)
@@ -308,7 +304,6 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
     from spmd import explain as explain_lib
     from spmd import hlo
-    from spmd.models.llama import flops_per_token
 
     cfg, mesh, rules, plan, trainer = setup.cfg, setup.mesh, setup.rules, setup.plan, setup.trainer
     B, T = cfg.train.global_batch_size, cfg.train.seq_len
@@ -361,7 +356,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     minimum = analytic_minimum(cfg, plan)
     state = trainer.state_bytes()
     host = state["optimizer_state_on_host"]
-    flops = flops_per_token(cfg.model, T) * B * T
+    flops = plan.family.figures(cfg.model, T).flops_per_token * B * T
     slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     peak = peak_bytes(mem, host)
     return {

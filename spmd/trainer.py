@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd import context, cpu_matmul, dataparallel, memory
 from spmd import sharding as sharding_lib
-from spmd.mesh import platform_of
+from spmd.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
 
@@ -28,107 +28,15 @@ def batch_keys(cfg) -> tuple[str, ...]:
     return PACKED_FIELDS if cfg.data.packing == "segments" else ("inputs", "targets")
 
 
-def lr_schedule(train_cfg) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=train_cfg.learning_rate,
-        warmup_steps=train_cfg.warmup_steps,
-        decay_steps=max(train_cfg.schedule_steps or train_cfg.steps, train_cfg.warmup_steps + 1),
-        end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio,
-    )
-
-
-def make_optimizer(train_cfg, opt_cfg, decay_mask, matrix_dims=None) -> optax.GradientTransformation:
-    """optimizer.name with warmup + cosine, global-norm clipping, and no decay where `decay_mask`
-    is False. optimizer.state_dtype is the first moment's dtype (optax's mu_dtype); second
-    moments stay in the parameters' dtype. `matrix_dims` (muon): see `matrix_dims`."""
-    lr, dtype = lr_schedule(train_cfg), jnp.dtype(opt_cfg.state_dtype)
-    wd, mask = train_cfg.weight_decay, decay_mask
-    if opt_cfg.name == "muon":
-        # optax.contrib.muon: Newton-Schulz-orthogonalised momentum for the weight matrices
-        # (`matrix_dims`), AdamW for the rest (embeddings, output head, norm scales), as Muon's
-        # authors train. consistent_rms=0.2 scales each matrix's update to AdamW's RMS
-        # (Moonlight's recipe), so train.learning_rate means the same for both groups. Its
-        # learning rate is -1 and the decay and schedule follow, as in optax.adamw, because
-        # optax.contrib.muon's own AdamW group decays every parameter (norm scales too).
-        muon = optax.contrib.muon(
-            -1.0,
-            mu_dtype=dtype,
-            adam_b1=train_cfg.beta1,
-            adam_b2=train_cfg.beta2,
-            eps=train_cfg.eps,
-            muon_weight_dimension_numbers=matrix_dims,
-            consistent_rms=0.2,
-        )
-        tx = optax.chain(muon, optax.add_decayed_weights(wd, mask), optax.scale_by_learning_rate(lr))
-    elif opt_cfg.name == "adamw":
-        tx = optax.adamw(lr, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps, mu_dtype=dtype,
-                         weight_decay=wd, mask=mask)  # fmt: skip
-    elif opt_cfg.name == "lion":
-        tx = optax.lion(
-            lr, b1=train_cfg.beta1, b2=train_cfg.beta2, mu_dtype=dtype, weight_decay=wd, mask=mask
-        )
-    elif opt_cfg.name == "adafactor":
-        # Factored second moments (rows and columns of every matrix with both sides >= 128).
-        tx = optax.adafactor(lr, weight_decay_rate=wd or None, weight_decay_mask=mask, dtype_momentum=dtype)
-    else:  # sgd: decoupled weight decay, then momentum
-        momentum = opt_cfg.momentum or None
-        tx = optax.chain(
-            optax.add_decayed_weights(wd, mask), optax.sgd(lr, momentum=momentum, accumulator_dtype=dtype)
-        )
-    if train_cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), tx)
-    return tx
-
-
-# Logical axes that index independent matrices of one parameter (stacked layers, experts), not
-# its rows or columns.
-MATRIX_BATCH_AXES = ("layers", "expert")
-
-
-def matrix_dims(plan: sharding_lib.ShardingPlan) -> dict:
-    """Per parameter, how Muon sees it as matrices (optax.contrib.MuonDimensionNumbers), or None
-    for AdamW, read from its logical axes: leading `layers`/`expert` axes index separate matrices;
-    a projection from `embed` (q, k, v, gate, up, router) reduces over it and outputs the rest; a
-    projection to `embed` (o, down) reduces over the rest. Embedding and output head (`vocab`),
-    norm scales and anything else stay with AdamW."""
-    by_path = {i.path: i for i in plan.params}
-
-    def dims(path, _):
-        logical = by_path[sharding_lib.path_str(path)].logical
-        lead = 0
-        while lead < len(logical) and logical[lead] in MATRIX_BATCH_AXES:
-            lead += 1
-        rest = range(lead, len(logical))
-        if "vocab" in logical or len(rest) < 2:
-            return None
-        if logical[lead] == "embed":
-            return optax.contrib.MuonDimensionNumbers(reduction_axis=(lead,), output_axis=tuple(rest)[1:])
-        if logical[-1] == "embed":
-            return optax.contrib.MuonDimensionNumbers(
-                reduction_axis=tuple(rest)[:-1], output_axis=(rest[-1],)
-            )
-        return None
-
-    return jax.tree_util.tree_map_with_path(dims, plan.abstract_params)
-
-
-def decay_mask(plan: sharding_lib.ShardingPlan) -> dict:
-    """True for parameters that get weight decay, as each parameter declares (norm scales don't)."""
-    by_path = {i.path: i for i in plan.params}
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: by_path[sharding_lib.path_str(path)].weight_decay, plan.abstract_params
-    )
-
-
 def token_losses(
-    graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, moe_coefs=(0.0, 0.0)
+    graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, aux_weights=None
 ):
-    """Sums over the batch's counted tokens: (cross-entropy + z-loss, cross-entropy, z-loss, count).
+    """Sums over the batch's counted tokens: (total loss, (cross-entropy, z-loss, count, aux sums)).
 
     `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
-    model gets each token's true position, and the sums do not depend on the order. `moe_coefs`:
-    the MoE load-balancing and router z-loss weights; the fourth output holds MoE statistics."""
+    model gets each token's true position, and the sums do not depend on the order.
+    `aux_weights`: the weight of each of the model's auxiliary losses (spmd.family.Aux) in the
+    total; the aux sums hold each loss's mean times the count, and the model's statistics."""
     inputs_BT, targets_BT, positions_BT, order_BT = batch["inputs"], batch["targets"], None, None
     # Packed documents (data.packing = segments): each token's document, its position in it (for
     # RoPE), and which targets count (not the first token of a document, predicted from the one
@@ -146,7 +54,7 @@ def token_losses(
         else:
             positions_BT, segment_ids_BT = positions_BT[:, seq_perm], segment_ids_BT[:, seq_perm]
             loss_mask_BT = loss_mask_BT[:, seq_perm]
-    logits_BTV, _, moe = nnx.merge(graphdef, params).forward(
+    logits_BTV, _, aux = nnx.merge(graphdef, params).forward(
         inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
     )
     logits_BTV = logits_BTV.astype(jnp.float32)
@@ -160,20 +68,18 @@ def token_losses(
     if z_loss:
         z_sum = z_loss * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1)) * mask_BT)
     count = jnp.sum(mask_BT)
-    if moe is None:
+    if aux is None:
         return ce_sum + z_sum, (ce_sum, z_sum, count, {})
-    # Router losses are means over the MoE layers; weighted by the token count like the other sums,
-    # so dividing by the count (after accumulation) leaves coefficient x mean.
-    aux, router_z = jnp.mean(moe.aux_loss), jnp.mean(moe.z_loss)
-    router_sum = (moe_coefs[0] * aux + moe_coefs[1] * router_z) * count
-    stats = {
-        "moe_aux_loss": aux * count,
-        "moe_router_z_loss": router_z * count,
-        "moe_dropped": jnp.sum(moe.dropped),
-        "moe_choices": jnp.sum(moe.choices),
-        "moe_load_LE": moe.load_E,
-    }
-    return ce_sum + z_sum + router_sum, (ce_sum, z_sum, count, stats)
+    # Auxiliary losses are means over the layers that make them; weighted by the token count like
+    # the other sums, so dividing by the count (after accumulation) leaves weight x mean.
+    means = {name: jnp.mean(v) for name, v in aux.losses.items()}
+    weighted = None
+    for name, weight in (aux_weights or {}).items():
+        term = weight * means[name]
+        weighted = term if weighted is None else weighted + term
+    sums = {**{name: m * count for name, m in means.items()}, **aux.sums}
+    total = ce_sum + z_sum + (weighted * count if weighted is not None else 0.0)
+    return total, (ce_sum, z_sum, count, sums)
 
 
 @dataclasses.dataclass
@@ -240,30 +146,13 @@ class Trainer:
         }
 
 
-def init_compiler_options(mesh) -> dict | None:
-    """XLA options for the parameter initialiser. On CPU its program is mostly threefry random
-    bits, one fusion per parameter, and LLVM's full optimisation of each costs more than the
-    program ever runs: at `xla_backend_optimization_level=1` the initialiser compiles 2.5-4.4x
-    faster (tiny-moe 6.0 -> 1.4 s) and gives bit-identical parameters (level 0 does not), while it
-    runs a few ms longer. Other platforms compile it as they compile everything else."""
-    return {"xla_backend_optimization_level": 1} if platform_of(mesh) == "cpu" else None
-
-
-def train_step_compiler_options(mesh) -> dict | None:
-    """XLA options for the train step. On CPU, copy insertion with region analysis: without it
-    XLA:CPU copies every AdamW moment before updating it in place in the donated state (the
-    parameter's update reads the old moment; 27 copies of 29 in `small`'s step), with it those
-    copies go and the step is otherwise the same program (bit-identical states, a test in
-    tests/test_data_and_training.py). Measured (docs/performance.md, "Tenth pass"): `small` fp32 / bf16 1.022x / 1.052x, d 512 x 8
-    layers x T 512 fp32 / bf16 1.027x / 1.074x. Other platforms compile as before."""
-    return {"xla_cpu_copy_insertion_use_region_analysis": True} if platform_of(mesh) == "cpu" else None
-
-
-def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
+def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
+    """The jitted steps of `cfg` under `plan`, compiled as the platform `choices` say
+    (spmd.policy.Choices: matmul library, XLA options, how gradients are summed)."""
     mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
     tcfg = cfg.train
-    tx = make_optimizer(tcfg, cfg.optimizer, decay_mask(plan), matrix_dims(plan))
-    schedule = lr_schedule(tcfg)
+    tx = make_optimizer(cfg.optimizer, tcfg.steps, decay_mask(plan), matrix_dims(plan))
+    schedule = lr_schedule(cfg.optimizer, tcfg.steps)
 
     opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
     # The optimizer state follows its parameter's sharding, split further over the rules'
@@ -303,7 +192,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
-    moe_coefs = (cfg.model.aux_loss_coef, cfg.model.router_z_loss_coef)
+    family = plan.family
+    aux_weights = family.aux_weights(cfg.model)
     losses = jax.value_and_grad(
         lambda params, batch: token_losses(
             graphdef,
@@ -312,7 +202,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             z_loss=tcfg.z_loss,
             mask_token_id=cfg.data.mask_token_id,
             seq_perm=seq_perm,
-            moe_coefs=moe_coefs,
+            aux_weights=aux_weights,
         ),
         has_aux=True,
     )
@@ -320,7 +210,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
     # Pure data parallelism on CPU across processes: each device's gradient summed as one vector
     # (spmd/dataparallel.py); the model then traces per device, without activation constraints.
-    flat_axes = dataparallel.flat_axes(tcfg.grad_reduce, plan, update_shardings, cfg.model)
+    dense = not family.aux_weights(cfg.model)
+    flat_axes = dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
 
     def grads_and_sums(params, batch: Batch):
         if k == 1:
@@ -350,10 +241,10 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
     def train_step(state, batch: Batch):
         if flat_axes:
             summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
-            grads, (ce_sum, z_sum, count, moe) = summed(state["params"], batch)
+            grads, (ce_sum, z_sum, count, aux) = summed(state["params"], batch)
         else:
             with plan.activate():
-                grads, (ce_sum, z_sum, count, moe) = grads_and_sums(state["params"], batch)
+                grads, (ce_sum, z_sum, count, aux) = grads_and_sums(state["params"], batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         # Gradients are reduced to where the update runs: the parameters' sharding, or under a
         # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
@@ -379,19 +270,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
             "learning_rate": schedule(state["step"]),
             "tokens": count,
             "skipped": 1 - finite.astype(jnp.int32),
+            "aux": family.aux_metrics(aux, count) if aux else {},  # the model's own, by name
         }
-        if moe:
-            load_LE = moe.pop("moe_load_LE")
-            metrics.update(
-                {
-                    "moe_aux_loss": moe["moe_aux_loss"] / count,
-                    "moe_router_z_loss": moe["moe_router_z_loss"] / count,
-                    "moe_dropped_fraction": moe["moe_dropped"] / moe["moe_choices"],
-                    # token-choices routed to the least and the most loaded expert of any MoE layer
-                    "moe_expert_load_min": jnp.min(load_LE),
-                    "moe_expert_load_max": jnp.max(load_LE),
-                }
-            )
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
@@ -403,21 +283,20 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan) -> Trainer:
         update_shardings=update_shardings,
         train_step=cpu_matmul.jit(
             train_step,
-            tcfg.cpu_matmul,
-            platform_of(mesh),
+            choices.matmul,
             in_shardings=(state_shardings, batch_shardings),
             out_shardings=(state_shardings, plan.replicated),
             donate_argnums=0,
-            compiler_options=train_step_compiler_options(mesh),
+            compiler_options=choices.train_options,
         ),
-        eval_step=build_eval_step(cfg, plan),
-        init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=init_compiler_options(mesh)),
+        eval_step=build_eval_step(cfg, plan, choices),
+        init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=choices.init_options),
         state_from_params=jax.jit(from_params, out_shardings=state_shardings),
         flat_grad_axes=flat_axes,
     )
 
 
-def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
+def build_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
     """Jitted (params, batch) -> (summed cross-entropy, counted tokens): needs no optimizer, so
     evaluation and sampling build only this."""
     rules, mesh = plan.rules, plan.mesh
@@ -437,8 +316,7 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan):
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
     return cpu_matmul.jit(
         eval_step,
-        cfg.train.cpu_matmul,
-        platform_of(mesh),
+        choices.matmul,
         in_shardings=(plan.param_shardings, batch_shardings),
         out_shardings=plan.replicated,
     )

@@ -12,7 +12,7 @@
    bandwidth (axes that span hosts, with --dcn, use the DCN bandwidth), compute and communication
    not overlapped (a conservative bound); a pipeline's compute is stretched by its bubble.
 4. Dry-run (compile, nothing allocated) down the ranking until --candidates layouts fit (at most
-   --max-compiles): reject any whose compiled peak (spmd.dryrun.peak_bytes) exceeds the budget, re-rank
+   --max-compiles): reject any whose compiled peak (spmd.aot.peak_bytes) exceeds the budget, re-rank
    with the collective bytes the compiled step really sends, and print the top five with their
    reasons.
 """
@@ -102,7 +102,8 @@ def search_axes(cfg, text: str | None) -> tuple[str, ...]:
     from spmd.errors import UserError
 
     if text is None:
-        wanted = {"data", "fsdp", "tensor"} | ({"expert"} if cfg.model.n_experts else set())
+        experts = cfg.model_family.figures(cfg.model, cfg.train.seq_len).n_experts
+        wanted = {"data", "fsdp", "tensor"} | ({"expert"} if experts else set())
     else:
         wanted = {a.strip() for a in text.split(",") if a.strip()}
         unknown = sorted(wanted - set(MESH_AXES))
@@ -150,7 +151,7 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
            max_compiles: int | None = None, device_list=None) -> Search:  # fmt: skip
     """Steps 1-4 of the module doc for `cfg` on `devices` devices with `budget` bytes each
     (`device_list`: compile for these, e.g. a TPU topology's, instead of JAX's own)."""
-    from spmd.dryrun import DoesNotFit, dry_run, estimate, volume_by_axis
+    from spmd.aot import DoesNotFit, dry_run, estimate, volume_by_axis
     from spmd.sharding import fmt_bytes
 
     max_compiles = max_compiles if max_compiles is not None else 4 * candidates

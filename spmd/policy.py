@@ -1,0 +1,146 @@
+"""Platform policy: every choice that depends on the devices a run compiles for, made once when the
+run is assembled (spmd.setup) into concrete values that the config, the plan and the log share.
+
+- `model.attention_impl = "auto"`: the Pallas flash kernel on GPU (Triton) and on TPU (Mosaic:
+  `pallas_tpu`, the kernel's TPU block layout; `pallas` there means it too); on CPU chunked
+  attention (memory O(T)) from CHUNKED_FROM positions, plain XLA attention below.
+- The matmul library of CPU step programs (`cpu.matmul`, spmd/cpu_matmul.py): oneDNN or XLA's own.
+- XLA options of the CPU parameter initialiser and train step (below).
+- How a pure data-parallel step sums its gradients (`cpu.grad_reduce`, spmd/dataparallel.py).
+- The KV cache layout for decoding: one array per layer on CPU (spmd.models.decoder.KVCache).
+
+The platform is the mesh's: compile-only TPU devices in a dry-run, whatever this host is.
+"""
+
+import dataclasses
+
+import jax
+
+from spmd.cpu_matmul import CPU_MATMUL
+from spmd.dataparallel import GRAD_REDUCE
+from spmd.errors import UserError
+from spmd.hostmem import HOST_HEAP
+
+# On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
+CHUNKED_FROM = 1024
+KERNELS = ("pallas", "pallas_tpu")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+# The parameter initialiser on CPU is mostly threefry random bits, one fusion per parameter, and
+# LLVM's full optimisation of each costs more than the program ever runs: at backend optimisation
+# level 1 it compiles several times faster and gives bit-identical parameters (level 0 does not).
+INIT_OPTIONS_CPU = {"xla_backend_optimization_level": 1}
+# The train step on CPU: copy insertion with region analysis. Without it XLA:CPU copies every AdamW
+# moment before updating it in place in the donated state (the parameter's update reads the old
+# moment); with it those copies go and the program is otherwise the same (bit-identical states:
+# tests/test_data_and_training.py).
+TRAIN_OPTIONS_CPU = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuConfig:
+    """The `[cpu]` table: tuning for runs on CPU devices (elsewhere only grad_reduce = flat is
+    checked, as an error)."""
+
+    # Library for the matmuls of CPU train/eval steps (spmd/cpu_matmul.py): "onednn" (as PyTorch's
+    # CPU backend) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)
+    matmul: str = "onednn"
+    # Host memory of XLA:CPU programs (spmd/hostmem.py): "tbbmalloc" relaunches the command under
+    # Intel's scalable allocator (the `tbb` wheel; large blocks cached apart from small objects),
+    # "retain" keeps glibc's freed heap memory for reuse (each step's temporaries are not faulted in
+    # again; the process stays at its peak size), "system" leaves glibc's malloc as it is, "auto"
+    # is tbbmalloc where installed (else retain) on a CPU host, system elsewhere
+    host_heap: str = "auto"
+    # How a pure data-parallel step sums its gradients: "flat" as one vector per dtype (DDP's
+    # buckets; XLA:CPU's gloo pays a fixed cost per all-reduce operand), "xla" as XLA's all-reduce of
+    # every array, "auto" flat on CPU across processes (spmd/dataparallel.py)
+    grad_reduce: str = "auto"
+
+    def check(self) -> list[str]:
+        problems = []
+        for key, choices in (("matmul", CPU_MATMUL), ("host_heap", HOST_HEAP), ("grad_reduce", GRAD_REDUCE)):
+            if getattr(self, key) not in choices:
+                problems.append(f"cpu.{key} must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
+        return problems
+
+
+def attention(name: str, seq_len: int, platform: str) -> str:
+    """The implementation `model.attention_impl = name` runs as on `platform`."""
+    if platform == "tpu" and name in ("auto", "pallas"):
+        return "pallas_tpu"
+    if name == "auto":
+        if platform in GPU_PLATFORMS:
+            return "pallas"
+        return "chunked" if seq_len >= CHUNKED_FROM else "xla"
+    return name
+
+
+def matmul(setting: str, platform: str) -> str:
+    """The matmul library of step programs under `cpu.matmul = setting`: oneDNN on CPU when asked,
+    else XLA's own ("xla")."""
+    return "onednn" if platform == "cpu" and setting == "onednn" else "xla"
+
+
+def grad_reduce(setting: str, platform: str, processes: int) -> str:
+    """How a pure data-parallel step sums its gradients: "flat" (one vector per dtype where the
+    layout allows it: spmd/dataparallel.py), "flat_required" (asked for: a layout that does not
+    allow it is an error) or "xla" (XLA's all-reduce). `auto` is flat on CPU across processes, where
+    gloo's cost per all-reduce operand is paid; in one process XLA:CPU's collectives are memory
+    copies."""
+    if setting == "flat" and platform != "cpu":
+        raise UserError(
+            f"cpu.grad_reduce=flat sums gradients as one vector on CPU devices; this run's devices are "
+            f"{platform}; use auto or xla"
+        )
+    if setting == "auto":
+        return "flat" if platform == "cpu" and processes > 1 else "xla"
+    return "flat_required" if setting == "flat" else setting
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What a run does on its platform (module doc), resolved once."""
+
+    platform: str
+    attention_requested: str  # model.attention_impl as configured
+    attention: str  # what it runs as
+    matmul: str  # "onednn" | "xla"
+    grad_reduce: str  # cpu.grad_reduce resolved (grad_reduce above)
+    init_options: dict | None
+    train_options: dict | None
+    kv_cache_per_layer: bool
+
+    def describe_attention(self) -> str:
+        """For the log, e.g. "auto -> chunked (O(T) memory)"."""
+        impl = self.attention
+        cpu = self.platform == "cpu"
+        note = {
+            "pallas": " (interpret mode on CPU: slow, for tests)" if cpu else " (Triton)",
+            "pallas_tpu": " (interpret mode on CPU: slow, for tests)" if cpu else " (Mosaic)",
+            "chunked": " (O(T) memory)",
+        }.get(impl, "")
+        return (f"{self.attention_requested} -> {impl}" if self.attention_requested != impl else impl) + note
+
+    def to_json(self) -> dict:
+        return {
+            "platform": self.platform,
+            "attention_impl": self.attention,
+            "matmul": self.matmul,
+            "grad_reduce": self.grad_reduce,
+            "kv_cache_per_layer": self.kv_cache_per_layer,
+        }
+
+
+def resolve(cfg, platform: str) -> Choices:
+    """The choices of config `cfg` (spmd.config.Config) on devices of `platform`."""
+    cpu = platform == "cpu"
+    return Choices(
+        platform=platform,
+        attention_requested=cfg.model.attention_impl,
+        attention=attention(cfg.model.attention_impl, cfg.train.seq_len, platform),
+        matmul=matmul(cfg.cpu.matmul, platform),
+        grad_reduce=grad_reduce(cfg.cpu.grad_reduce, platform, jax.process_count()),
+        init_options=dict(INIT_OPTIONS_CPU) if cpu else None,
+        train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
+        kv_cache_per_layer=cpu,
+    )
