@@ -1,4 +1,5 @@
-"""User-facing errors: one `error:` line on stderr, exit code 2, no traceback."""
+"""User-facing messages: errors (one `error:` line on stderr, exit code 2, no traceback) and the
+log lines commands and runs write to stderr."""
 
 import contextlib
 import difflib
@@ -9,6 +10,11 @@ import tempfile
 
 class UserError(Exception):
     """Bad input from the user (flags, config, rules, data). The CLI prints it and exits 2."""
+
+
+def log(msg: str) -> None:
+    """One line for the user on stderr (stdout is for a command's own output)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def closest(name: str, choices) -> str:

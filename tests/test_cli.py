@@ -188,8 +188,8 @@ def test_trains_tiny_end_to_end(tmp_path):
 def test_a_directory_with_files_but_no_checkpoints_is_not_reused(tmp_path):
     """The run-dir checks spmd-train makes before it writes anything (in-process: the CLI turns
     these UserErrors into one `error:` line and exit 2, as test_bad_input checks)."""
-    from spmd.cli.train import prepare_run_dir
     from spmd.errors import UserError
+    from spmd.run import prepare_run_dir
 
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="already holds files but no checkpoints"):

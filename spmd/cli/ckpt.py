@@ -5,7 +5,8 @@ import math
 import pathlib
 import sys
 
-from spmd.cli.common import Parser, add_host_devices, log, run_main
+from spmd.cli.common import Parser, add_host_devices, run_main
+from spmd.errors import log
 
 
 def build_parser() -> argparse.ArgumentParser:

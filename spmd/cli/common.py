@@ -1,5 +1,4 @@
-"""What every command shares: the argument parser, simulated host devices, logging to stderr, and
-the one wrapper that turns bad input (UserError) into a single `error:` line and exit code 2."""
+"""What every command shares: the argument parser, simulated host devices, and the one wrapper that turns bad input (UserError) into a single `error:` line and exit code 2."""
 
 import argparse
 import os
@@ -83,10 +82,6 @@ def skip_absent_accelerators() -> None:
             set_host_platform()  # a no-op once a backend has started
     elif not os.environ.get("JAX_PLATFORMS") and hostmem.cpu_host(platforms=""):
         os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def exit_now(code: int) -> int:

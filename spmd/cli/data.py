@@ -5,7 +5,8 @@ import argparse
 import os
 import sys
 
-from spmd.cli.common import Parser, log, run_main
+from spmd.cli.common import Parser, run_main
+from spmd.errors import log
 
 EPILOG = """
 examples:

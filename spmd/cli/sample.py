@@ -5,7 +5,8 @@ import math
 import pathlib
 import sys
 
-from spmd.cli.common import Parser, add_checkpoint_flags, log, run_main
+from spmd.cli.common import Parser, add_checkpoint_flags, run_main
+from spmd.errors import log
 
 
 def build_parser() -> argparse.ArgumentParser:

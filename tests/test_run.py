@@ -1,0 +1,43 @@
+"""A training run in a run directory as one library call (spmd.run.train), in-process: the same
+losses as stepping the trainer by hand, its files, and a second call that resumes."""
+
+import json
+
+import pytest
+from conftest import run_training
+
+from spmd import checkpoint as ckpt
+from spmd import run
+from spmd.config import load_config
+from spmd.errors import UserError
+from spmd.setup import assemble
+
+OVERRIDES = ["train.log_every=2", "train.eval_every=0", "checkpoint.every=2", "checkpoint.async_save=false"]
+
+
+def test_train_owns_the_run_dir_and_resumes_where_it_stopped(tmp_path, devices):
+    cfg = load_config("tiny", [*OVERRIDES, "train.steps=4"])
+    run_dir = tmp_path / "run"
+    first = run.train(assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2]), run_dir)
+    assert (first.step, first.signal, [r["step"] for r in first.metrics]) == (4, None, [2, 4])
+    by_hand, _, _ = run_training(cfg, "fsdp=2", "fsdp", 4, devices=devices[:2])
+    assert [r["loss"] for r in first.metrics] == [float(by_hand[1]), float(by_hand[3])]
+    assert ckpt.committed_steps(run_dir / ckpt.SUBDIR) == [2, 4]
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert (
+        recorded["config"]["model"]["family"] == "llama" and recorded["resolved"]["attention_impl"] == "xla"
+    )
+    assert recorded["model"]["params"] == cfg.model_family.figures(cfg.model, cfg.train.seq_len).params
+
+    longer = assemble(
+        load_config("tiny", [*OVERRIDES, "train.steps=6"]), "fsdp=2", "fsdp", devices=devices[:2]
+    )
+    second = run.train(longer, run_dir)
+    assert second.step == 6 and [r["step"] for r in second.metrics] == [6]
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [2, 4, 6]
+
+    done = run.train(longer, run_dir)  # nothing left to do: no step, no write
+    assert (done.step, done.metrics) == (6, [])
+    with pytest.raises(UserError, match="exclude each other"):
+        run.train(longer, tmp_path / "other", resume_from=str(run_dir), init_from=str(run_dir))
