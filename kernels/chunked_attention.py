@@ -232,10 +232,8 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def default_chunk(length: int) -> int:
-    """The tile length for `length` positions: a quarter of them, a power of two in [64, 512].
-    Measured on the 2-core CPU (fp32, 8/4 heads x 64, forward and backward; docs/performance.md,
-    "Ninth pass"): at T 1,024 tiles of 128 / 256 / 512 took 49.6 / 48.8 / 64.3 ms, at T 4,096
-    tiles of 256 / 512 568 / 505 ms."""
+    """The tile length for `length` positions: a quarter of them, a power of two in [64, 512]
+    (the fastest of the tiles tried on CPU at 1k and 4k positions; figures: docs/performance.md)."""
     return min(512, max(64, 1 << max(0, (length // 4).bit_length() - 1)))
 
 

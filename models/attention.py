@@ -20,11 +20,9 @@ from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provi
 # Each block is one more attention in the program (its own slices of the keys and values, converts
 # and transposes: work that grows with n x T while the saving grows with T^2), so at most
 # CAUSAL_BLOCKS of them, CAUSAL_BLOCKS_SHORT up to SHORT_BLOCKS_UP_TO positions, each at least
-# CAUSAL_BLOCK_MIN queries. Measured on XLA:CPU (docs/performance.md, issue 19): 8 blocks made the
-# train step of d 512, 8 layers, T 512 1.12-1.16x faster in fp32 and 1.09-1.11x in bf16, its
-# temporaries 1,492 -> 1,099 MiB, and `small` (T 128, two blocks) 1.04-1.06x. With the dots in
-# oneDNN, 4 blocks beat 8 up to T 1024 (that step 1.16x bf16 and 1.05-1.16x fp32 again; at T 1024
-# 1.14x bf16, 1.00x fp32); a lone attention at T 4096 is 6% faster with 8 (fp32).
+# CAUSAL_BLOCK_MIN queries. On XLA:CPU the blocks make train steps faster and their temporaries
+# smaller; with the dots in oneDNN fewer blocks win up to T 1024, more above (the counts below;
+# figures: docs/performance.md).
 CAUSAL_BLOCKS = 8
 CAUSAL_BLOCKS_SHORT = 4
 SHORT_BLOCKS_UP_TO = 1024
@@ -105,8 +103,8 @@ def _grouped_attention(
     merge_batch_heads (default: when the program is for CPU) lays (B, K) end to end as one batch
     axis b, the form XLA:CPU runs fastest. Elsewhere the dots keep B and K as two batch axes: when
     B and K are split over different mesh axes (data and tensor), GSPMD cannot carry both splits
-    through the merge and gathers the operands over the heads' axis (measured on the TPU compiler,
-    docs/performance.md, issue 20)."""
+    through the merge and gathers the operands over the heads' axis (seen in the TPU compiler's
+    programs)."""
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     G = N // K
@@ -155,8 +153,7 @@ def _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     # with oneDNN's fused dots, since given up, XLA:CPU read the logits' multiply as a post-op from
     # a broadcast of the scalar materialised at the logits' size). Exact where the scale is a power
     # of two (head dim 64, 256); otherwise one rounding of q in the compute dtype, as MaxText's and
-    # PyTorch's math attention scale q (or q and k) before the dot. Measured: docs/performance.md,
-    # issue 19, eleventh pass.
+    # PyTorch's math attention scale q (or q and k) before the dot.
     return _scaled_attention(_scaled(q_bQH, scale), k_bSH, v_bSH, mask_bQS)
 
 
@@ -183,9 +180,8 @@ def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     Autodiff of the forward kept fp32 copies of the unnormalised exponentials and of the
     broadcast 1/rowsum for the softmax's backward and converted p back to fp32. Here ds is rounded
     to the compute dtype before its two dots (as flash attention does), and the dots of dq, dk and
-    dv give the compute dtype, so that oneDNN runs them (spmd/cpu_matmul.py). Measured on the train
-    step (docs/performance.md, issue 19, with YNNPACK before oneDNN): `small` bf16 1.12x, d 512 / 8
-    layers / T 512 1.15x bf16 and 1.16x fp32. The gradients' error against an fp32 computation
+    dv give the compute dtype, so that oneDNN runs them (spmd/cpu_matmul.py); the train steps are
+    faster for it (figures: docs/performance.md). The gradients' error against an fp32 computation
     stays at the compute dtype's rounding (tests/test_attention_kernels.py)."""
     return _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale)[0]
 

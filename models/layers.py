@@ -19,8 +19,8 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
     cast here to x's dtype, the compute dtype), as one 2-D matmul.
 
     Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
-    contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands: the
-    `small` MLP's backward took 1.5x longer, so we flatten. On GPU/TPU this is free either way.
+    contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands, so we
+    flatten. On GPU/TPU this is free either way.
     When the sequence is split over devices (context parallelism) flattening (B, T) would scatter
     each device's tokens across the merged axis, so the dot keeps the leading axes instead.
     """
@@ -59,10 +59,14 @@ class RMSNorm(nnx.Module):
         )
 
     def __call__(self, x_BTD):
-        x = x_BTD.astype(jnp.float32)
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale_D[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        return (y * scale).astype(x_BTD.dtype)
+        return rms_norm(x_BTD, self.scale_D[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+    """x / rms(x) * scale over the last axis, computed in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)
 
 
 def rope_frequencies(cfg):
@@ -92,9 +96,8 @@ def rope(x_BTNH, positions_BT, freq_h):
 
     cos and sin are computed once per token and frequency, behind an optimization barrier: without
     it XLA:CPU fused them into every consumer and evaluated both once per head and half, in the
-    forward and again in the backward (d 512 / 8 layers / T 512 bf16 train step 1.05x faster with
-    the barrier). The backward rotates by the negated angle (rotate's transpose), with the same
-    saved cos/sin: 1.07x together, `small` bf16 1.06x, fp32 1.02x (docs/performance.md, issue 19).
+    forward and again in the backward. The backward rotates by the negated angle (rotate's
+    transpose), with the same saved cos/sin, instead of autodiff's trigonometry.
     """
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq_h[None, None, :]
     cos_BTh, sin_BTh = jax.lax.optimization_barrier((jnp.cos(angle_BTh), jnp.sin(angle_BTh)))
@@ -134,10 +137,9 @@ def _swiglu_low(gate, up):
     """silu(gate) * up for bf16 (or fp16) inputs, computed in fp32 and rounded once.
 
     Autodiff of the plain bf16 form runs silu's exp and division in bf16 (XLA:CPU rounds between
-    the ops, and is ~2x slower at it than in fp32), keeps bf16 intermediates for the backward and
+    the ops, and is slower at it than in fp32), keeps bf16 intermediates for the backward and
     writes them out in separate passes. This backward saves only the two inputs and recomputes the
-    sigmoid in fp32: `small` bf16 train step 1.03x, d 512 / 8 layers / T 512 bf16 1.27x
-    (docs/performance.md, issue 19). fp32 compute keeps the plain form (1.00x there)."""
+    sigmoid in fp32. fp32 compute keeps the plain form (no faster this way)."""
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 

@@ -269,8 +269,7 @@ def _swiglu_in_tiles(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int 
     expert's weights.
 
     XLA:CPU lowers ragged_dot densely (every row against every expert, then a select): E times
-    the FLOPs; the MoE layer of `small-moe` ran 7x slower than PyTorch's (docs/performance.md,
-    issue 19). Tiles cost the padding: at most E tiles beyond ceil(M / tile)."""
+    the FLOPs. Tiles cost the padding: at most E tiles beyond ceil(M / tile)."""
     M, D = x_MD.shape
     E = sizes_E.shape[0]
     n = -(-M // tile) + E  # tiles: every group wastes less than one

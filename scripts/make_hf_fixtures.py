@@ -9,7 +9,10 @@ This machine has a CPU torch wheel only for Python 3.11, so run it in its own ve
 
     python3.11 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install torch==2.13.0 transformers safetensors numpy
-    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py [NAME ...]
+
+NAMEs (default: all) rebuild only those fixtures, exactly as a full run would (every model is still
+drawn, in order, from the one random stream).
 
 Weights are drawn larger than transformers' init (std 0.1, norm scales 1 +- 0.1, random biases)
 so that logits, routing and greedy choices are far from ties.
@@ -75,13 +78,52 @@ FIXTURES = {
         dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None),
         dict(max_shard_size="100KB"),
     ),
+    # learned positions, LayerNorm with biases, fused q/k/v (Conv1D, stored (in, out)), tied head
+    "gpt2": (
+        transformers.GPT2Config,
+        transformers.GPT2LMHeadModel,
+        dict(
+            vocab_size=V,
+            n_positions=64,
+            n_embd=D,
+            n_layer=L,
+            n_head=N,
+            n_inner=F,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        {},
+    ),
+    # q/k RMSNorm per head, tied embeddings, head_dim not hidden_size / heads
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=16, rope_theta=1e6, tie_word_embeddings=True),
+        {},
+    ),
+    # layer 0 dense, layer 1 a mixture of 4 experts (top-2, weights renormalised)
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            head_dim=16,
+            rope_theta=1e6,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+        ),
+        {},
+    ),
 }
+COMMON_FREE = ("gpt2",)  # configs of their own (GPT-2's keys are not Llama's)
 
 
 def randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight") or "layernorm" in name or ".ln_" in name:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
@@ -95,14 +137,21 @@ def tokenizer() -> Tokenizer:
     return tok
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
+    unknown = sorted(set(only) - set(FIXTURES))
+    if unknown:
+        raise SystemExit(f"unknown fixture {unknown[0]!r}; fixtures are {', '.join(FIXTURES)}")
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (2, 16), generator=gen)
     prompt = torch.randint(0, V, (2, 6), generator=gen)
     for name, (config_cls, model_cls, extra, save_kwargs) in FIXTURES.items():
         torch.manual_seed(0)
-        model = model_cls(config_cls(**COMMON, **extra)).eval()
+        model = model_cls(
+            config_cls(**extra) if name in COMMON_FREE else config_cls(**COMMON, **extra)
+        ).eval()
         randomise(model, gen)
+        if only and name not in only:
+            continue
         out = OUT / name
         shutil.rmtree(out, ignore_errors=True)
         model.save_pretrained(out, **save_kwargs)
@@ -126,4 +175,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

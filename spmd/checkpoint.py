@@ -105,10 +105,9 @@ def _cpu_registry() -> ocp.type_handlers.TypeHandlerRegistry:
 
     Replica-parallel saving splits a shard that several devices hold among them, each writing its
     part: a compiled slice program per device and array shape. On CPU the devices are one host's
-    memory and the process writes all of them anyway, so the split parallelises nothing; its
-    programs were 72 compilations and ~4 s of `tiny`'s first save on 8 devices (~0.4 s per run
-    with a warm compilation cache; docs/performance.md, issue 19's eighteenth pass). The files
-    written are the same: every shard whole, by the replica 0 that holds it."""
+    memory and the process writes all of them anyway, so the split parallelises nothing, and its
+    programs cost seconds of compilation at a run's first save. The files written are the same:
+    every shard whole, by the replica 0 that holds it."""
     arrays = ocp.type_handlers.ArrayHandler(
         use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
     )
@@ -307,7 +306,7 @@ class Checkpointer:
         if self.cfg.async_save and jax.devices()[0].platform == "cpu":
             # On an accelerator Orbax copies the arrays to host memory before save() returns. On CPU
             # they already are host memory, so it writes from the live buffers; the next step donates
-            # them and must wait for the whole write (3.5x step time measured). A copy frees them.
+            # them and must wait for the whole write (several steps' time). A copy frees them.
             state = jax.tree.map(lambda x: x.copy(), state)
         previous, self.pending = self.pending, step
         try:

@@ -1,12 +1,11 @@
 """Which library runs the matmuls of XLA:CPU train and eval steps (`cpu.matmul`).
 
 XLA:CPU hands a dot to one of its libraries: YNNPACK (its default for the dots it accepts), Eigen
-(the rest), or oneDNN (Intel's, which PyTorch's CPU backend uses) when asked. On the 2-core AMX
-machine of issue 19 a lone 2048² bf16 matmul ran at 2,634 GFLOP/s in oneDNN against 1,674 in
-YNNPACK, and oneDNN also takes the dots YNNPACK refuses (a transposed left operand: the weight
-gradient x^T g, and in attention's backward p^T do and ds^T q), which Eigen ran on operands
-converted to fp32. The train step with oneDNN: `small` bf16 1.50x, fp32 1.10x, d 512 / 8 layers /
-T 512 bf16 1.58x (docs/performance.md, "Fifth pass"). oneDNN takes dots whose output has the
+(the rest), or oneDNN (Intel's, which PyTorch's CPU backend uses) when asked. oneDNN runs bf16
+matmuls faster on CPUs with AMX, and also takes the dots YNNPACK refuses (a transposed left
+operand: the weight gradient x^T g, and in attention's backward p^T do and ds^T q), which Eigen
+runs on operands converted to fp32; the train steps are faster with it (figures:
+docs/performance.md). oneDNN takes dots whose output has the
 operands' dtype; a bf16 dot with an fp32 output is converted to fp32 first, so the model writes
 its CPU dots with the compute dtype's output where the result is rounded to it anyway.
 
@@ -35,12 +34,10 @@ CPU_MATMUL = ("onednn", "xla")  # "xla": XLA:CPU's own choice (YNNPACK, Eigen)
 # into its oneDNN call, and jax 0.12 computes some such fusions wrong, silently: a dot times a
 # broadcast operand O(100)x off once the dot sums over more than 512 elements, a dot followed by
 # two operations O(1) off at any size, the Pallas flash kernel's causal backward with dq all zeros
-# (docs/performance.md, issue 19, ninth and twenty-first passes; tests/test_cpu_matmul.py pins
-# it). The same programs with individual dots are right. The train steps are about as fast
-# (in-process A/B, twenty-first pass: d 512 / 8 layers / T 512 0.99-1.00x, `small` bf16 0.96-1.00x,
-# `small` fp32 0.96-1.01x, median 0.97x: its gradient sums after a dot are now passes of their
-# own), and programs that had such fusions (Muon's orthogonalisation, some expert-parallel MoE
-# steps) keep oneDNN where they ran with XLA's libraries (Muon's `small` step 1.09x fp32, 1.36x bf16).
+# (tests/test_cpu_matmul.py pins it). The same programs with individual dots are right, the train
+# steps about as fast (a gradient sum after a dot becomes a pass of its own), and programs that had
+# such fusions (Muon's orthogonalisation, some expert-parallel MoE steps) keep oneDNN where they
+# fell back to XLA's libraries.
 _ONEDNN = {
     "xla_cpu_use_onednn": True,
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",

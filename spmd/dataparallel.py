@@ -1,10 +1,10 @@
 """Data-parallel gradients summed as one flat vector (`cpu.grad_reduce`), as DDP's buckets do.
 
 Under GSPMD a data-parallel step sums its gradients in one all-reduce with one operand per
-parameter array. XLA:CPU's gloo collectives reduce the operands one at a time and each costs ~4 ms
-on loopback whatever its size (docs/performance.md, issue 19): `small`'s 40 operands took 181 ms of
-a 505 ms two-process step, while the same 12.5 MiB as one vector took ~22 ms. XLA's pass that
-would make the operands contiguous (AllReduceContiguous) is not in the CPU pipeline, so here the
+parameter array. XLA:CPU's gloo collectives reduce the operands one at a time, each at a fixed
+cost on loopback whatever its size, so a model's many small arrays cost far more than the same
+bytes as one vector (figures: docs/performance.md). XLA's pass that would make the operands
+contiguous (AllReduceContiguous) is not in the CPU pipeline, so here the
 step computes each device's gradient in a `shard_map` over the data axes and sums it as one vector
 per dtype.
 

@@ -53,6 +53,9 @@ class Figures:
     n_experts: int = 0  # routed experts of an MoE layer; 0: a dense model
     moe_layers: int = 0  # layers whose MLP is a mixture of experts
     expert_capacity: int = 0  # token slots per expert for one sequence (capacity dispatch)
+    max_positions: int | None = (
+        None  # the longest sequence the model can take (a learned position table); None: any
+    )
 
     def dispatched_shape(self, batch: int) -> tuple[int, int, int, int]:
         """(B, E, C, D): the tokens of `batch` sequences dispatched to an MoE layer's experts."""

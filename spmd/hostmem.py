@@ -1,11 +1,10 @@
 """Host memory for XLA:CPU programs: freed heap memory kept for the next step (`cpu.host_heap`).
 
-XLA:CPU allocates each execution's temporaries as one block (169 MiB for `small`'s bf16 train
-step) and frees it when the execution ends. glibc serves a block that large with a fresh `mmap`
-and unmaps it on free, so every step faults its whole temporary buffer in again, page by page:
-43,000 page faults and 60-80 ms of kernel time per step of `small` bf16 (a ~160 ms step). With
-mmap off, the top of the heap never trimmed and one arena for all threads, the step reuses the same
-memory: no faults, the step 1.21x faster (docs/performance.md, issue 19). PyTorch's CPU guides get
+XLA:CPU allocates each execution's temporaries as one block and frees it when the execution ends.
+glibc serves a block that large with a fresh `mmap` and unmaps it on free, so every step faults its
+whole temporary buffer in again, page by page: kernel time that can be a large share of a small
+CPU step. With mmap off, the top of the heap never trimmed and one arena for all threads, the step
+reuses the same memory and faults nothing (figures: docs/performance.md). PyTorch's CPU guides get
 the same from jemalloc or tcmalloc through LD_PRELOAD; glibc's own switches (`mallopt`) do it in
 the running process, with no new dependency.
 
@@ -16,15 +15,13 @@ first step and keeps it. Elsewhere than glibc (macOS, musl) nothing changes.
 **tbbmalloc** (`auto`'s choice on a CPU host where the `tbb` wheel is installed): glibc keeps the
 freed block but carves small, longer-lived allocations out of it between steps, so now and then
 the next step's block no longer fits, the heap grows and the step faults a whole new block in
-(measured on this VM: 3-5 s steps of the d 512 / 8 layers / T 512 fp32 step, 3 of 25; resident size
-2x the step's need). Intel's scalable allocator (oneTBB's tbbmalloc, a pip wheel) keeps large
+(steps several times their usual time now and then, the resident size up to twice the step's
+need). Intel's scalable allocator (oneTBB's tbbmalloc, a pip wheel) keeps large
 blocks in a cache of their own, apart from small objects. It must replace malloc before the
 process starts (`LD_PRELOAD`, its proxy library), so a command relaunches itself once under it
 (`os.execve`: same pid, arguments and environment) before JAX starts; a library call (a test
-calling `main(argv)`) cannot and retains glibc's memory instead. What it gave, `spmd-train` end to
-end (docs/performance.md, issue 19): d 512 / 8 layers fp32, 40 steps, 65 s against 73-89 s and
-3.7 against 5.5-7.7 GiB resident; `small` fp32, 300 steps, the same time (64-65 s against 63-74 s)
-at half the resident size (1.26 against 2.37 GiB).
+calling `main(argv)`) cannot and retains glibc's memory instead. End to end it makes CPU runs no
+slower and often faster, at a smaller resident size (figures: docs/performance.md).
 """
 
 import ctypes
@@ -42,8 +39,8 @@ HOST_HEAP = ("auto", "tbbmalloc", "retain", "system")
 # order: the allocator, then the proxy that routes malloc/free/new/delete to it
 TBBMALLOC_LIBRARIES = ("libtbbmalloc.so.2", "libtbbmalloc_proxy.so.2")
 # Blocks from this size up are "huge" to tbbmalloc: cached for reuse and never handed back to the
-# system (its default returns them, and every step faulted its temporaries in: 271 against 163 ms
-# for `small` fp32). 1 MiB: every XLA temporary block and large array.
+# system (its default returns them, and every step faulted its temporaries in again). 1 MiB:
+# every XLA temporary block and large array.
 TBBMALLOC_KEEP_FROM_BYTES = 1 << 20
 # Set by the relaunch for the new image of the process: "<pid>:<LD_PRELOAD before it>". The pid
 # (unchanged by exec) stops a second relaunch when the preload did not take; children relaunch
@@ -165,8 +162,7 @@ def retain_freed_memory() -> bool:
             (_M_MMAP_MAX, 0),  # large blocks from the heap, not from fresh mappings
             # never hand the heap's free top back to the system: -1 is "never" (mallopt(3)); the
             # largest positive value, 2**31 - 1, still trimmed a free top over 2 GiB, and a step
-            # with 1.2 GiB of temporaries (d 512 / 8 layers / T 512 fp32) then faulted them in
-            # again in ~1 step of 3, some taking 2x as long (docs/performance.md, issue 19)
+            # with more temporaries than that then faulted them in again every few steps
             (_M_TRIM_THRESHOLD, -1),
             (_M_ARENA_MAX, 1),  # one arena: another thread's arena maps its large blocks anyway
         )
@@ -209,9 +205,8 @@ def retain_before_start(setting: str, on_cpu: bool | None = None) -> None:
     """Apply `cpu.host_heap=setting` before JAX starts its threads, as commands do (through
     spmd.setup.before_jax_starts): a thread keeps the allocator arena it first used, so once
     XLA:CPU's threads run, their temporaries come from their own arenas, which map large blocks
-    afresh whatever mallopt says. Measured: a jitted train step of `small` bf16 still faulted its
-    171 MiB in every step when switched after JAX had started, none when before. `auto` only on a
-    CPU host (`on_cpu`; by default `cpu_host()`)."""
+    afresh whatever mallopt says (a train step switched after JAX had started still faulted its
+    temporaries in every step). `auto` only on a CPU host (`on_cpu`; by default `cpu_host()`)."""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized() or tbbmalloc_active():

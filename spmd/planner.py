@@ -4,9 +4,10 @@
 
 1. Enumerate meshes (factorisations of N over data, fsdp and tensor; expert too for MoE models;
    any of the six axes with --axes, e.g. `--axes data,fsdp,tensor,stage` for pipelines) with the
-   presets whose axes cover them (dp, dp_zero1, fsdp, tp, tp_zero1, fsdp_tp, tp_sp, fsdp_tp_sp,
-   ep, fsdp_ep, cp_ring, cp_ulysses, pp, pp_fsdp, pp_fsdp_tp); reject those the rules cannot
-   shard (divisibility) or the pipeline cannot schedule ([pipeline] of the config).
+   presets whose axes cover them, as the preset files say (`preset_axes`; every preset but those
+   that say `plan = false`), one per distinct layout (`layout`: fsdp_tp on a mesh without tensor
+   is fsdp); reject those the rules cannot shard (divisibility) or the pipeline cannot schedule
+   ([pipeline] of the config).
 2. Prune by analytic memory: parameters + gradients + optimizer state per device must fit.
 3. Rank the rest by a roofline step time: model FLOPs / peak + analytic collective bytes / link
    bandwidth (axes that span hosts, with --dcn, use the DCN bandwidth), compute and communication
@@ -24,42 +25,40 @@ from spmd.errors import UserError
 from spmd.hardware import CHIPS
 from spmd.mesh import MESH_AXES, format_mesh
 
-# Each preset: the mesh axes it can use, and those it needs (so a candidate is never a simpler preset
-# under another name: fsdp_tp on a mesh without tensor would be fsdp).
-PRESET_AXES = {
-    "dp": {"data"},
-    "dp_zero1": {"data"},
-    "fsdp": {"data", "fsdp"},
-    "tp": {"data", "tensor"},
-    "tp_zero1": {"data", "tensor"},
-    "fsdp_tp": {"data", "fsdp", "tensor"},
-    "tp_sp": {"data", "tensor"},
-    "fsdp_tp_sp": {"data", "fsdp", "tensor"},
-    "ep": {"data", "expert", "tensor"},
-    "fsdp_ep": {"data", "fsdp", "expert", "tensor"},
-    "cp_ring": {"data", "fsdp", "context", "tensor"},
-    "cp_ulysses": {"data", "fsdp", "context", "tensor"},
-    "pp": {"stage", "data"},
-    "pp_fsdp": {"stage", "data", "fsdp"},
-    "pp_fsdp_tp": {"stage", "data", "fsdp", "tensor"},
-}
-REQUIRED = {
-    "dp": set(),
-    "dp_zero1": {"data"},
-    "fsdp": {"fsdp"},
-    "tp": {"tensor"},
-    "tp_zero1": {"data", "tensor"},
-    "fsdp_tp": {"fsdp", "tensor"},
-    "tp_sp": {"tensor"},
-    "fsdp_tp_sp": {"fsdp", "tensor"},
-    "ep": {"expert"},
-    "fsdp_ep": {"fsdp", "expert"},
-    "cp_ring": {"context"},
-    "cp_ulysses": {"context"},
-    "pp": {"stage"},
-    "pp_fsdp": {"stage", "fsdp"},
-    "pp_fsdp_tp": {"stage", "fsdp", "tensor"},
-}
+# Logical names that carry the batch: a preset maps them over every data-parallel axis it may get.
+BATCH_NAMES = ("batch", "act_moe_batch")
+
+
+def preset_axes(rules) -> set[str]:
+    """The mesh axes a preset is written for: `data` (where its batch goes) and every axis it maps
+    anything but the batch to."""
+    return {"data"} | {a for name, axes in rules.mapping.items() if name not in BATCH_NAMES for a in axes}
+
+
+def layout(rules, sizes: dict) -> tuple:
+    """What `rules` do on a mesh of these sizes: the mapping without its axes of size 1, the sharded
+    weight update's axes, and the context-parallel mode where the sequence is split."""
+    mapping = tuple(
+        sorted((n, tuple(a for a in axes if sizes.get(a, 1) > 1)) for n, axes in rules.mapping.items())
+    )
+    zero = tuple(a for a in rules.shard_optimizer_over if sizes.get(a, 1) > 1)
+    split_seq = any(sizes.get(a, 1) > 1 for a in rules.mapping.get("seq", ()))
+    return mapping, zero, rules.context_parallel if split_seq else ""
+
+
+def _simplicity(rules) -> tuple:
+    return sum(len(axes) for axes in rules.mapping.values()), rules.name
+
+
+def candidate_presets(sizes: dict, rules_by_name: dict) -> list[str]:
+    """The presets to try on a mesh of these sizes: those written for its axes, and of those that
+    do the same there, the simplest (fewest mapped axes)."""
+    used = {a for a, s in sizes.items() if s > 1}
+    by_layout: dict = {}
+    for rules in sorted(rules_by_name.values(), key=_simplicity):
+        if rules.plan and used <= preset_axes(rules):
+            by_layout.setdefault(layout(rules, sizes), rules.name)
+    return list(by_layout.values())
 
 
 def parse_bytes(text: str) -> int:
@@ -116,18 +115,15 @@ def search_axes(cfg, text: str | None) -> tuple[str, ...]:
 
 
 def enumerate_candidates(cfg, n: int, axes=("data", "fsdp", "tensor"), devices=None):
-    """(mesh spec, preset, Setup or None, reason if rejected) for every mesh x preset that covers
-    its axes, over `devices` (default: JAX's)."""
-    from spmd.rules import load_rules
+    """(mesh spec, preset, Setup or None, reason if rejected) for every mesh and the presets to try
+    on it (candidate_presets), over `devices` (default: JAX's)."""
+    from spmd.rules import load_rules, presets
     from spmd.setup import assemble
 
-    rules = {preset: load_rules(preset) for preset in PRESET_AXES}  # parsed once, not once per mesh
+    rules = {preset: load_rules(preset) for preset in presets()}  # parsed once, not once per mesh
     for sizes in meshes(n, axes):
-        used = {a for a, s in sizes.items() if s > 1}
         spec = format_mesh(sizes, empty="data=1")
-        for preset, preset_axes in PRESET_AXES.items():
-            if not used <= preset_axes or not REQUIRED[preset] <= used:
-                continue
+        for preset in candidate_presets(sizes, rules):
             try:
                 yield spec, preset, assemble(cfg, spec, rules[preset], devices=devices), None
             except UserError as e:

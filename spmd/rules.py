@@ -73,6 +73,9 @@ class Rules:
     # further split over these mesh axes, the data axes, while parameters keep their own sharding
     # (spmd/trainer.py: update_sharding).
     shard_optimizer_over: tuple[str, ...] = ()
+    # Whether spmd-plan proposes this preset (`plan = false`: a root or a baseline). Never
+    # inherited: a file that extends one says so itself.
+    plan: bool = True
     # Which file set each key (a logical name or a top-level key), through `extends`.
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -154,6 +157,7 @@ class Rules:
 
 TOP_KEYS = (
     "description",
+    "plan",
     "extends",
     "replicated_params_ok",
     "context_parallel",
@@ -271,8 +275,11 @@ def _load(path: pathlib.Path, chain: tuple[pathlib.Path, ...], known: tuple[str,
             top[key] = getattr(parent, key) if parent else default
     if "shard_optimizer_over" in doc:
         top["shard_optimizer_over"] = _mesh_axes(path, "shard_optimizer_over", doc["shard_optimizer_over"])
+    if "plan" in doc and not isinstance(doc["plan"], bool):
+        raise UserError(f"rules file {str(path)!r}: plan must be true or false, got {doc['plan']!r}")
     return Rules(
         name=name,
+        plan=doc.get("plan", True),
         description=str(top["description"]),
         mapping={n: mapping[n] for n in known if n in mapping},
         replicated_params_ok=bool(top["replicated_params_ok"]),

@@ -129,6 +129,12 @@ def assemble(
     )
     memory.check(cfg, device_mesh)
     family = cfg.model_family
+    longest = family.figures(cfg.model, cfg.train.seq_len).max_positions
+    if longest is not None and cfg.train.seq_len > longest:
+        raise UserError(
+            f"train.seq_len ({cfg.train.seq_len}) is longer than the {longest} positions model family "
+            f"{family.name} takes (model.max_positions); shorten train.seq_len"
+        )
     resolved = (load_rules(rules, family.logical_axes) if isinstance(rules, str) else rules).with_attention(
         cfg.attention
     )

@@ -32,9 +32,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", 8)
 
 # The CPU programs the test processes compile themselves get XLA:CPU's LLVM code generation at -O0:
-# compilation is ~60% of the suite's time; `tiny`'s first train step (compiled and run) takes
-# 2.3-2.6 s at -O0 against 3.4-3.6 s by default, and the suite 19:54 against 23:30 on an AMD host
-# (docs/performance.md, issue 19, twenty-fourth pass). The level is LLVM's, for the fused kernels'
+# compilation is most of the suite's time, and -O0 compiles faster (the suite's time:
+# docs/performance.md). The level is LLVM's, for the fused kernels'
 # machine code; the optimised HLO (sharding, partitioning, fusion, buffer assignment), which the
 # in-process tests check, is the same at every level. Only the
 # machine code rounds some results differently (multiply-adds not contracted), so what must match

@@ -140,7 +140,8 @@ def test_a_non_finite_step_leaves_the_state_unchanged(tiny_cfg, devices):
         ("optimizer.learning_rate=nan", "optimizer.learning_rate must be a positive number"),
         ("model.init_std=nan", "model.init_std must be a positive number"),
         ("model.norm_eps=-1", "model.norm_eps must be a positive number"),
-        ("optimizer.beta2=nan", "optimizer.beta2 must be a finite number"),
+        ("optimizer.beta2=nan", r"optimizer.beta2 must be in \[0, 1\)"),
+        ("optimizer.beta1=5", r"optimizer.beta1 must be in \[0, 1\)"),
     ],
 )
 def test_config_values_that_can_only_give_nan_are_refused(override, message):

@@ -112,3 +112,20 @@ def test_one_hardware_table_serves_mfu_and_the_planner():
     assert chip_for("cpu") is None  # a CPU's peak is measured, never looked up
     assert {"h100", "a100", "tpu-v5p"} <= set(planner_chips()) and "l4" not in planner_chips()
     assert hardware("h100", ici_gbps=100) == {"peak": 989e12, "ici": 100e9, "dcn": 50e9}
+
+
+def test_candidate_presets_come_from_the_preset_files():
+    """Which presets the planner tries on a mesh is read from the rules files: the axes each maps
+    something other than the batch to, one preset per distinct layout (the simplest), none that
+    says `plan = false`."""
+    from spmd.planner import candidate_presets
+    from spmd.rules import load_rules, presets
+
+    rules = {p: load_rules(p) for p in presets()}
+    assert candidate_presets({"fsdp": 8}, rules) == ["fsdp"]  # fsdp_tp there is fsdp
+    assert candidate_presets({"data": 8}, rules) == ["dp", "dp_zero1"]
+    assert set(candidate_presets({"expert": 8}, rules)) == {"ep"}  # fsdp_ep there is ep
+    assert "pp_fsdp_tp" in candidate_presets({"stage": 2, "tensor": 4}, rules)  # pipeline x tensor
+    context = candidate_presets({"context": 8}, rules)
+    assert {"cp_ring", "cp_ulysses"} <= set(context) and "allgather" not in context
+    assert all("base" not in candidate_presets(s, rules) for s in ({"data": 8}, {"fsdp": 8}, {"data": 1}))

@@ -193,8 +193,19 @@ def _layer_names(cfg) -> tuple[Callable[[int], int], Callable[[int], int]]:
     )
 
 
-def tensors(cfg: LlamaConfig) -> dict[str, HFTensor]:
-    """Our parameter path -> its HF tensor(s), for every parameter of `cfg`."""
+# Where an MoE layer's router and experts lie inside an HF layer, and each expert matrix's name.
+MIXTRAL_MOE = {
+    "router": "block_sparse_moe.gate.weight",
+    "expert": "block_sparse_moe.experts.{e}.{w}.weight",
+    "w_gate_EDF": "w1",
+    "w_up_EDF": "w3",
+    "w_down_EFD": "w2",
+}
+
+
+def tensors(cfg: LlamaConfig, moe_names=MIXTRAL_MOE) -> dict[str, HFTensor]:
+    """Our parameter path -> its HF tensor(s), for every parameter of `cfg`; `moe_names`: where an
+    MoE layer's tensors lie (Mixtral's layout, or a family's own built on this one)."""
     if cfg.moe is not None and cfg.moe.n_shared_experts:
         raise UserError("shared experts have no equivalent in the supported HF families (Mixtral has none)")
     dense_layer, moe_layer = _layer_names(cfg)
@@ -230,11 +241,12 @@ def tensors(cfg: LlamaConfig) -> dict[str, HFTensor]:
             for ours, hf in (("w_gate_DF", "gate_proj"), ("w_up_DF", "up_proj"), ("w_down_FD", "down_proj")):
                 out[f"layers/mlp/{ours}"] = HFTensor(layer(f"mlp.{hf}.weight"), 1, True)
         else:
-            out["moe_layers/mlp/router_DE"] = HFTensor(layer("block_sparse_moe.gate.weight"), 1, True)
-            for ours, hf in (("w_gate_EDF", "w1"), ("w_up_EDF", "w3"), ("w_down_EFD", "w2")):
+            out["moe_layers/mlp/router_DE"] = HFTensor(layer(moe_names["router"]), 1, True)
+            for ours in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
+                expert = moe_names["expert"]
                 out[f"moe_layers/mlp/{ours}"] = HFTensor(
-                    lambda g, e, hf=hf, hf_layer=hf_layer: (
-                        f"model.layers.{hf_layer(g)}.block_sparse_moe.experts.{e}.{hf}.weight"
+                    lambda g, e, w=moe_names[ours], hf_layer=hf_layer: (
+                        f"model.layers.{hf_layer(g)}." + expert.format(e=e, w=w)
                     ),
                     2,
                     True,
