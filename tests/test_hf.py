@@ -247,8 +247,8 @@ def test_unmapped_tensor_and_unsupported_architecture_are_refused(tmp_path):
     refused(src, tmp_path, "q_norm.weight has no place in this model")
     save_file(tensors, str(src / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    refused(src, tmp_path, "architecture 'GPT2LMHeadModel' is not supported")
+    (src / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    refused(src, tmp_path, "architecture 'FalconForCausalLM' is not supported")
     mistral = {
         **config,
         "architectures": ["MistralForCausalLM"],
