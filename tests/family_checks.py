@@ -23,7 +23,7 @@ LAYOUTS = [
     ("pp_fsdp", "stage=2,fsdp=4"),
 ]
 MOE_LAYOUTS = [("fsdp_ep", "fsdp=2,expert=4")]
-STEPS = 6
+STEPS = 8
 
 
 def one_device(cfg):
