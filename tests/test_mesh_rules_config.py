@@ -157,3 +157,32 @@ def test_config_file_type_errors(tmp_path):
     path.write_text("[optim]\nlr = 1\n")
     with pytest.raises(UserError, match="unknown section 'optim'"):
         load_config(str(path))
+
+
+def test_a_config_saved_by_the_older_layout_reads_with_its_keys_moved():
+    """Checkpoints and config.json written before the tables had owners: optimizer settings under
+    [train], MoE keys under [model] (n_experts 0 for a dense model), CPU tuning under [train]."""
+    from spmd.config import config_from_json
+
+    old = {
+        "name": "old",
+        "model": {"d_model": 64, "n_experts": 8, "top_k": 2, "moe_every": 2, "moe_dispatch": "dropless"},
+        "train": {
+            "steps": 7,
+            "learning_rate": 1e-3,
+            "beta2": 0.9,
+            "cpu_matmul": "xla",
+            "host_heap": "system",
+        },
+        "optimizer": {"name": "lion"},
+    }
+    cfg = config_from_json(old)
+    assert cfg.model_family.name == "llama" and cfg.train.steps == 7
+    assert (cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.beta2) == ("lion", 1e-3, 0.9)
+    assert (cfg.cpu.matmul, cfg.cpu.host_heap) == ("xla", "system")
+    assert (cfg.model.moe.n_experts, cfg.model.moe.every, cfg.model.moe.dispatch) == (8, 2, "dropless")
+    dense = config_from_json({**old, "model": {"d_model": 64, "n_experts": 0, "top_k": 2}})
+    assert dense.model.moe is None
+    assert config_from_json(cfg.to_json()) == cfg  # and the new layout reads back as itself
+    with pytest.raises(UserError, match="has moved: it is 'optimizer.learning_rate' now"):
+        load_config("tiny", ["train.learning_rate=1e-3"])
