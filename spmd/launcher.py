@@ -3,7 +3,9 @@
     spmd-launch --processes 2 --host-devices 4 -- spmd-train --config tiny --mesh fsdp=4,tensor=2 ...
 
 Each process gets `SPMD_COORDINATOR` (loopback, a free port), `SPMD_NUM_PROCESSES`,
-`SPMD_PROCESS_ID` and `SPMD_HOST_DEVICES`; its output lines are prefixed with `[i]`. As soon as
+`SPMD_PROCESS_ID` and `SPMD_HOST_DEVICES`; its output lines are prefixed with `[i]`, less the
+collective library's connection lines (`[Gloo] Rank i is connected to n peer ranks`, one per
+process and group: most of a short job's output) unless `verbose`. As soon as
 one process fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
 launcher exits with that process's code (128 + N for a process killed by signal N). SIGTERM/SIGINT
 are forwarded to every process, so a preempted job still saves its checkpoint.
@@ -14,6 +16,7 @@ spmd-train command resumes from its latest committed checkpoint.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,10 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, prefix: str, out) -> None:
+# gloo's line for every communicator each process joins, in the pieces it writes them in: threads
+# joining at once interleave them ("[Gloo] Rank [Gloo] Rank 0 is connected to ...").
+CONNECTION_PIECES = re.compile(
+    r"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+)
+
+
+def _pump(stream, prefix: str, out, verbose: bool = False) -> None:
     for line in stream:
-        out.write(f"{prefix}{line}")
-        out.flush()
+        if verbose or CONNECTION_PIECES.sub("", line).strip():
+            out.write(f"{prefix}{line}")
+            out.flush()
 
 
 INPUT_ERROR = 2
@@ -46,11 +57,12 @@ def launch(
     port: int | None = None,
     max_restarts: int = 0,
     backoff_s: float = 2.0,
+    verbose: bool = False,
 ) -> int:
     """Run the job; restart it up to `max_restarts` times after a failure other than bad input."""
     attempt = 0
     while True:
-        code = _launch_once(n, command, host_devices, port)
+        code = _launch_once(n, command, host_devices, port, verbose)
         if code in (0, INPUT_ERROR) or attempt >= max_restarts or _stopping:
             return code
         attempt += 1
@@ -66,7 +78,9 @@ def launch(
 _stopping = False  # a forwarded SIGTERM/SIGINT: the job is being stopped on purpose, no restart
 
 
-def _launch_once(n: int, command: list[str], host_devices: int | None, port: int | None) -> int:
+def _launch_once(
+    n: int, command: list[str], host_devices: int | None, port: int | None, verbose: bool
+) -> int:
     port = port or free_port()
     procs, pumps = [], []
     for i in range(n):
@@ -96,7 +110,7 @@ def _launch_once(n: int, command: list[str], host_devices: int | None, port: int
             raise UserError(f"cannot run {command[0]!r}: {e.strerror}; give the command after --") from None
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out), daemon=True)
+            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out, verbose), daemon=True)
             t.start()
             pumps.append(t)
 

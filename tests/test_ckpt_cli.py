@@ -1,5 +1,6 @@
 """spmd-ckpt inspect / verify / reshard, and what corruption looks like to the user."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -265,3 +266,23 @@ def test_edited_or_renamed_metadata_is_refused(trained, tmp_path):
         ckpt.resume_or_init(setup.trainer, setup.batches(), missing.parent)
     line = one_error_line(spmd_ckpt("inspect", str(missing)))
     assert "no valid 'consumed_samples'" in line
+
+
+def test_commands_on_a_cpu_host_print_nothing_of_libtpu(tmp_path):
+    """With the tpu extra installed and no platform named, a command that does not target a TPU
+    topology wakes no libtpu: stderr holds nothing of it (it used to print its start-up warnings
+    and an `E0000 ... unexpected worker hostname` line before the command's own output)."""
+    run = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "1",
+                     "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    for args in (
+        ["ckpt.py", "verify", str(tmp_path / "run")],
+        ["eval.py", "--run-dir", str(tmp_path / "run")],
+    ):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / args[0]), *args[1:]],
+            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert "TPU" not in result.stderr and "E0000" not in result.stderr, result.stderr

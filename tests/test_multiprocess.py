@@ -93,6 +93,9 @@ def test_two_processes_match_one(reference, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0] mesh: data=2,fsdp=2,tensor=2 over 8 cpu devices (2 processes)" in result.stderr
     assert "[1] step" not in result.stderr  # only process 0 logs
+    assert (
+        "[Gloo]" not in result.stdout + result.stderr
+    )  # the connection lines (spmd-launch --verbose shows them)
     assert_close(records(tmp_path / "run"), reference)
 
 

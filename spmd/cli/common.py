@@ -81,7 +81,9 @@ def skip_absent_accelerators() -> None:
         if not jax.config.jax_platforms and hostmem.cpu_host(platforms=""):
             set_host_platform()  # a no-op once a backend has started
     elif not os.environ.get("JAX_PLATFORMS") and hostmem.cpu_host(platforms=""):
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_PLATFORMS"] = "cpu"  # child processes decide alike
+        # Looking imported JAX, which read the environment then: tell its config too.
+        set_host_platform()
 
 
 def exit_now(code: int) -> int:

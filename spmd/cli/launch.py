@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="restart the whole job up to N times when it fails (any exit code but 2, bad input), after "
         "a back-off of 2, 4, 8... s; spmd-train resumes from its latest committed checkpoint [0]",
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the collective library's connection lines ([Gloo] ...)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run in every process")
     return p
 
@@ -58,7 +63,9 @@ def run(args) -> int:
                 ) from None
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    return launch(args.processes, command, args.child_host_devices, args.port, args.max_restarts)
+    return launch(
+        args.processes, command, args.child_host_devices, args.port, args.max_restarts, verbose=args.verbose
+    )
 
 
 if __name__ == "__main__":
