@@ -166,9 +166,10 @@ def data_tokenizer(data_cfg):
     return tok
 
 
-def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """(train tokens, held-out tokens, a description) as 1-D integer sequences (memory-mapped when
-    possible; TokenStreams, which know the documents, for a prepared directory)."""
+def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str, float | None]:
+    """(train tokens, held-out tokens, a description, the held-out text's UTF-8 bytes per token or
+    None where unknown) as 1-D integer sequences (memory-mapped when possible; TokenStreams, which
+    know the documents, for a prepared directory)."""
     directory = prepared_dir(data_cfg)
     if directory is not None:
         from spmd.prepare import read_manifest
@@ -177,8 +178,9 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
         tok = manifest["tokenizer"]
         if tok["vocab_size"] > vocab_size:
             raise UserError(
-                f"prepared data {str(directory)!r} uses a tokenizer of {tok['vocab_size']:,} tokens but "
-                f"model.vocab_size is {vocab_size:,}; raise model.vocab_size to at least {tok['vocab_size']:,}"
+                f"prepared data {str(directory)!r} uses a tokenizer of {tok['vocab_size']:,} tokens but the "
+                f"model's vocabulary has {vocab_size:,}: prepare the data with the model's own tokenizer "
+                f"(or, for a new run, raise model.vocab_size to at least {tok['vocab_size']:,})"
             )
         train, val = TokenStream(directory, manifest, "train"), TokenStream(directory, manifest, "val")
         if not len(val):
@@ -189,11 +191,15 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
             f"{directory} (prepared: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, "
             f"tokenizer {tok['name']})"
         )
-        return train, val, desc
+        held_out = manifest["splits"]["val"]
+        bytes_per_token = held_out["bytes"] / held_out["tokens"] if held_out.get("bytes") else None
+        return train, val, desc, bytes_per_token
+    bytes_per_token = None  # token ids of unknown text (.npy, .bin)
     if not data_cfg.path:
         train_path, val_path = stdlib_corpus(data_cfg.val_fraction)
         train, val = np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
         desc = f"embedded corpus: Python {sys.version.split()[0]} standard library source, bytes ({train_path.parent})"
+        bytes_per_token = 1.0
     else:
         path = pathlib.Path(data_cfg.path).expanduser()
         if not path.exists():
@@ -224,6 +230,7 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
             )
         else:
             tokens = _read_text(path)
+            bytes_per_token = 1.0
         if tokens.size == 0:
             raise UserError(
                 f"data {str(path)!r} is empty; point data.path at a file or directory with content"
@@ -246,7 +253,7 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str]
         raise UserError(
             f"data holds token id {biggest} but model.vocab_size is {vocab_size}; raise model.vocab_size"
         )
-    return train, val, desc
+    return train, val, desc, bytes_per_token
 
 
 class WindowSource:
@@ -311,6 +318,8 @@ class Batches:
     start_sample: int = 0
     # A mixture's held-out split of each source, by name (eval_loss/<name>); empty otherwise.
     val_sources: dict = dataclasses.field(default_factory=dict)
+    # UTF-8 bytes of held-out text per token (bits per byte), where the data says; None otherwise.
+    val_bytes_per_token: float | None = None
 
     def resume_at(self, step: int, consumed_samples: int) -> None:
         self.start_step, self.start_sample = step, consumed_samples
@@ -357,8 +366,9 @@ class Batches:
 
 
 def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str):
-    """(train windows, held-out windows, description) of one data path."""
-    train_tokens, val_tokens, desc = load_tokens(data_cfg, vocab_size)
+    """(train windows, held-out windows, description, held-out bytes per token or None) of one
+    data path."""
+    train_tokens, val_tokens, desc, bytes_per_token = load_tokens(data_cfg, vocab_size)
     for split, tokens in (("training", train_tokens), ("held-out", val_tokens)):
         if len(tokens) < T + 1:
             raise UserError(
@@ -371,8 +381,8 @@ def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str):
                 f"data.packing = segments needs to know where documents end, which {what} does not: "
                 f"prepare the data with spmd-data prepare and point {what} at its output directory"
             )
-        return PackedWindowSource(train_tokens, T), PackedWindowSource(val_tokens, T), desc
-    return WindowSource(train_tokens, T), WindowSource(val_tokens, T), desc
+        return PackedWindowSource(train_tokens, T), PackedWindowSource(val_tokens, T), desc, bytes_per_token
+    return WindowSource(train_tokens, T), WindowSource(val_tokens, T), desc, bytes_per_token
 
 
 def mixture_order(weights: list[float]) -> grain.MapDataset:
@@ -386,21 +396,24 @@ def make_batches(cfg, sharding) -> Batches:
     T, data = cfg.train.seq_len, cfg.data
     seed = cfg.train.seed % 2**32
     if not data.sources:
-        train_src, val_src, desc = _windows(data, cfg.model.vocab_size, T, data.packing, "data.path")
+        train_src, val_src, desc, bytes_per_token = _windows(
+            data, cfg.model.vocab_size, T, data.packing, "data.path"
+        )
         if data.packing == "segments":
             desc += "; packing: segments (no padding)"
         train = grain.MapDataset.source(train_src).shuffle(seed=seed).repeat()
         val = grain.MapDataset.source(val_src).repeat()
         return Batches(
-            train, val, cfg.train.global_batch_size, T, sharding, desc, len(train_src), len(val_src)
-        )
+            train, val, cfg.train.global_batch_size, T, sharding, desc, len(train_src), len(val_src),
+            val_bytes_per_token=bytes_per_token,
+        )  # fmt: skip
     # A mixture: each source shuffled with its own seed, then interleaved by weight.
     trains, vals, descs, n_train = [], {}, [], 0
     for k, src in enumerate(data.sources):
         if not pathlib.Path(src.path).expanduser().exists():
             raise UserError(f"data.sources {src.label!r}: {src.path!r} not found")
         one = dataclasses.replace(data, path=src.path, sources=())
-        train_src, val_src, desc = _windows(
+        train_src, val_src, desc, _ = _windows(
             one, cfg.model.vocab_size, T, data.packing, f"source {src.label!r}"
         )
         trains.append(grain.MapDataset.source(train_src).shuffle(seed=(seed + k) % 2**32).repeat())

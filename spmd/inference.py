@@ -85,16 +85,17 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
 
 
 def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
-    """Held-out cross-entropy (nats/token), perplexity and bits per byte (byte-level vocabularies)."""
+    """Held-out cross-entropy (nats/token), perplexity and bits per byte (where the data knows its
+    text's size: bytes, or data prepared by spmd-data prepare)."""
     # A mixture: each source's held-out batches, and all of them together.
     total, count, sources = held_out_by_source(loaded.setup.eval_step, loaded.params, batches, n_batches)
     loss = total / max(count, 1.0)
-    byte_level = loaded.cfg.model.vocab_size == 256 and not loaded.cfg.data.path.endswith((".npy", ".bin"))
+    per_token = batches.val_bytes_per_token
     result = {
         "step": loaded.step,
         "loss": loss,
         "perplexity": math.exp(loss),
-        "bits_per_byte": loss / math.log(2) if byte_level else None,
+        "bits_per_byte": loss / math.log(2) / per_token if per_token else None,
         "tokens": int(count),
         "batches": n_batches,
     }

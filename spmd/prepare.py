@@ -174,7 +174,7 @@ class _ShardWriter:
     def __init__(self, directory: pathlib.Path, split: str, dtype, shard_tokens: int):
         self.directory, self.split, self.dtype, self.limit = directory, split, dtype, shard_tokens
         self.shards: list[dict] = []
-        self.documents = self.tokens = 0
+        self.documents = self.tokens = self.bytes = 0
         self._open()
 
     def _open(self) -> None:
@@ -184,7 +184,8 @@ class _ShardWriter:
         self.shard = {"bin": f"{name}.bin", "idx": f"{name}.idx", "documents": 0, "tokens": 0}
         self.shards.append(self.shard)
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, n_bytes: int = 0) -> None:
+        """One document's token ids; `n_bytes`: its text's size in UTF-8 (for bits per byte)."""
         if self.shard["tokens"] and self.shard["tokens"] + len(ids) > self.limit:
             self._close()
             self._open()
@@ -193,6 +194,7 @@ class _ShardWriter:
         self.shard["documents"] += 1
         self.ends.append(self.shard["tokens"])
         self.documents, self.tokens = self.documents + 1, self.tokens + len(ids)
+        self.bytes += n_bytes
 
     def _close(self) -> None:
         self.bin.close()
@@ -202,7 +204,12 @@ class _ShardWriter:
         self._close()
         if not self.shard["documents"] and len(self.shards) > 1:
             self.shards.pop()
-        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
+        return {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "shards": self.shards,
+        }
 
 
 def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwrite: bool = False,
@@ -293,7 +300,8 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
                         ids = np.append(ids, np.int32(eos))
                     if len(ids) == 0:
                         continue
-                    writers["val" if in_val(text, opts.val_fraction) else "train"].add(ids)
+                    split = "val" if in_val(text, opts.val_fraction) else "train"
+                    writers[split].add(ids, len(text.encode("utf-8", "surrogatepass")))
                 docs = sum(w.documents for w in writers.values())
                 toks = sum(w.tokens for w in writers.values())
                 seconds = max(time.perf_counter() - started, 1e-9)

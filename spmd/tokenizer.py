@@ -36,7 +36,16 @@ class ByteTokenizer:
         return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids) -> str:
-        return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+        """The bytes as UTF-8 text; an id past 255 (a model with a larger vocabulary trained on
+        bytes can still draw one) is no byte, and shows as U+FFFD."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        bad = (ids < 0) | (ids > 255)
+        runs, start = [], 0
+        for i in np.flatnonzero(bad):  # the bytes between ids that are no byte, each run decoded
+            runs.append(bytes(ids[start:i].astype(np.uint8)).decode("utf-8", errors="replace"))
+            start = i + 1
+        runs.append(bytes(ids[start:].astype(np.uint8)).decode("utf-8", errors="replace"))
+        return "\ufffd".join(runs)
 
 
 class HFTokenizer:
@@ -117,23 +126,38 @@ def run_file_name(tokenizer) -> str | None:
     return None
 
 
-def for_run(run_dir: pathlib.Path, cfg):
+def for_run(run_dir: pathlib.Path, cfg, recorded: dict | None = None):
     """The tokenizer a run's text goes through (see the module docstring), or an error saying why
-    there is none."""
+    there is none. `recorded`: what the run recorded of its tokenizer (config.json's and every
+    checkpoint's `tokenizer`: name, sha256): a run on bytes is byte-level whatever its
+    vocabulary's size, and a tokenizer file that is not the recorded one is refused."""
+    if recorded is not None and recorded.get("name") == ByteTokenizer.name:
+        return ByteTokenizer()
     for name, cls in ((HF_TOKENIZER, HFTokenizer), (SP_TOKENIZER, SentencePieceTokenizer)):
         path = run_dir / name
         if not path.is_file():
             continue
         tok = cls(path)
+        if recorded is not None and recorded.get("sha256") not in (None, tok.sha256):
+            raise UserError(
+                f"{path} is not the tokenizer this run was trained with (sha256 {tok.sha256[:12]}..., the run "
+                f"recorded {str(recorded['sha256'])[:12]}... for {recorded.get('name')}); put that one back"
+            )
         if tok.vocab_size > cfg.model.vocab_size:
             raise UserError(
                 f"{path} has {tok.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
                 f"it is not this model's tokenizer"
             )
         return tok
+    if recorded is not None:
+        raise UserError(
+            f"{run_dir} has no {HF_TOKENIZER} or {SP_TOKENIZER}, and the run was trained with the tokenizer "
+            f"{recorded.get('name')}; put that file in the run directory"
+        )
     if cfg.model.vocab_size != 256 or cfg.data.path.endswith((".npy", ".bin")):
         raise UserError(
-            f"{run_dir} has no {HF_TOKENIZER} and the model is not byte-level (vocab_size 256, trained on "
-            f"text), so text cannot be turned into its tokens; put the tokenizer.json it was trained with there"
+            f"{run_dir} has no {HF_TOKENIZER} or {SP_TOKENIZER} and the run recorded none: its model "
+            f"(vocab_size {cfg.model.vocab_size}, data {cfg.data.path or 'the embedded corpus'}) cannot be "
+            f"taken for a byte-level one; put the tokenizer file it was trained with in the run directory"
         )
     return ByteTokenizer()

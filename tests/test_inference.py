@@ -262,3 +262,20 @@ def test_sample_errors(run, tmp_path, args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_a_byte_level_run_with_a_larger_vocabulary_samples(tmp_path, devices):
+    """A run on bytes whose model has more than 256 ids (a preset such as llama-1b trained on the
+    embedded corpus) records its tokenizer as bytes; sampling takes it at its word."""
+    from spmd import run as run_lib
+    from spmd.setup import assemble
+
+    overrides = ["model.vocab_size=512", "train.steps=1", "train.eval_every=0"]
+    run_lib.train(
+        assemble("tiny", "fsdp=2", "fsdp", overrides=overrides, devices=devices[:2]), tmp_path / "run"
+    )
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["tokenizer"]["name"] == "bytes"
+    result = run_script("sample", "--run-dir", str(tmp_path / "run"), "--host-devices", "1", "--mesh", "fsdp=1",
+                        "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def ")

@@ -105,6 +105,8 @@ def test_prepare_gives_the_tokens_of_encoding_each_document(corpus, tmp_path, ki
     assert [d.tolist() for d in _tokens(tmp_path / "out")] == [w.tolist() for w in want]
     assert m["documents"] == len(DOCS) and m["tokens"] == sum(map(len, want)) and m["dtype"] == "uint16"
     assert m["tokenizer"]["sha256"] == bpe.sha256 and (tmp_path / "out" / "tokenizer.json").is_file()
+    # Each split counts its text's UTF-8 bytes: bits per byte for any tokenizer.
+    assert sum(s["bytes"] for s in m["splits"].values()) == sum(len(d.encode()) for d in DOCS)
 
 
 def test_prepare_splits_by_content_is_idempotent_and_uses_workers(corpus, tmp_path):
@@ -177,6 +179,20 @@ def test_mixture_proportions_follow_the_weights():
         p = w / sum(weights)
         assert abs((tags == k).sum() - n * p) <= 3 * np.sqrt(n * p * (1 - p)), (k, (tags == k).sum())
     assert [order[i] for i in range(5000, 5010)] == tags[5000:5010].tolist()  # a pure function of i
+
+
+def test_held_out_bits_per_byte_of_tokenized_data(corpus, tmp_path, tiny_cfg):
+    """spmd-eval's bits per byte: nats per token over ln 2 and the held-out text's bytes per token
+    (the prepared manifest's count); 1 byte per token on byte-level data."""
+    from spmd.config import apply_overrides
+    from spmd.data import make_batches
+
+    data = _prepared(corpus, tmp_path, "bpe", [d * 4 for d in DOCS] * 8)
+    held_out = prepare.read_manifest(data)["splits"]["val"]
+    cfg = apply_overrides(tiny_cfg, [f"data.path={data}", "train.seq_len=16", "model.vocab_size=512"])
+    batches = make_batches(cfg, None)
+    assert batches.val_bytes_per_token == held_out["bytes"] / held_out["tokens"] > 1.5
+    assert make_batches(tiny_cfg, None).val_bytes_per_token == 1.0  # the embedded corpus: bytes
 
 
 def _prepared(corpus, tmp_path, name, docs):
