@@ -388,7 +388,9 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial
         _key(path): (tuple(x.shape), str(x.dtype))
         for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)
     }
-    for key, (shape, dtype) in wanted.items():
+    # The parameters first: their names say which part of the model differs (an optimizer-state
+    # array of the same parameter would say it less plainly).
+    for key, (shape, dtype) in sorted(wanted.items(), key=lambda kv: not kv[0].startswith("params")):
         if key not in saved:
             raise UserError(
                 f"checkpoint {directory}/{step} has no array {key} that this config needs; "

@@ -385,6 +385,27 @@ def to_tree(cfg: Config) -> dict[str, dict]:
     return {**out, **{s: dataclasses.asdict(getattr(cfg, s)) for s in SECTIONS}}
 
 
+def keys_table(cfg: Config) -> str:
+    """Every key `--set` takes for this config's model family, with its type and value in `cfg`
+    (`spmd-train --list-keys`)."""
+    family = cfg.model_family
+    tables = {**model_tables(family), **SECTIONS}
+    tree = to_tree(cfg)
+    rows = [("key", "type", "value")]
+    for section, cls in tables.items():
+        for key, t in _keys(cls, tables).items():
+            value = tree.get(section, {}).get(key, "(table absent)") if section in tree else "(table absent)"
+            name = t.__name__ if isinstance(t, type) else str(t)
+            rows.append((f"{section}.{key}", name, repr(value) if isinstance(value, str) else str(value)))
+    width = [max(len(r[c]) for r in rows) for c in range(2)]
+    lines = [f"{a.ljust(width[0])}  {b.ljust(width[1])}  {c}" for a, b, c in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    head = (
+        f"config {cfg.name} (model family {family.name}; model.family picks another): --set section.key=value"
+    )
+    return head + "\n" + "\n".join(lines)
+
+
 def _moved(d: dict) -> dict:
     """A saved config's tables with the keys an older version kept elsewhere moved to their
     homes (MOVED); the MoE keys of a dense model (n_experts 0) dropped."""

@@ -166,10 +166,13 @@ def data_tokenizer(data_cfg):
     return tok
 
 
-def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str, float | None]:
+def load_tokens(
+    data_cfg, vocab_size: int, held_out: bool = True
+) -> tuple[np.ndarray, np.ndarray, str, float | None]:
     """(train tokens, held-out tokens, a description, the held-out text's UTF-8 bytes per token or
     None where unknown) as 1-D integer sequences (memory-mapped when possible; TokenStreams, which
-    know the documents, for a prepared directory)."""
+    know the documents, for a prepared directory). `held_out`: whether the held-out split is
+    needed (evaluation); without it, prepared data may have none."""
     directory = prepared_dir(data_cfg)
     if directory is not None:
         from spmd.prepare import read_manifest
@@ -183,9 +186,10 @@ def load_tokens(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str,
                 f"(or, for a new run, raise model.vocab_size to at least {tok['vocab_size']:,})"
             )
         train, val = TokenStream(directory, manifest, "train"), TokenStream(directory, manifest, "val")
-        if not len(val):
+        if not len(val) and held_out:
             raise UserError(
-                f"prepared data {str(directory)!r} has no held-out documents; prepare it again with a larger --val-fraction (or more documents)"
+                f"prepared data {str(directory)!r} has no held-out documents, which evaluation needs; prepare it "
+                f"again with a larger --val-fraction (or more documents), or train with --eval-every 0"
             )
         desc = (
             f"{directory} (prepared: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, "
@@ -261,7 +265,7 @@ class WindowSource:
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
-        self.n = (len(tokens) - 1) // seq_len
+        self.n = max(0, len(tokens) - 1) // seq_len
 
     def __len__(self) -> int:
         return self.n
@@ -278,7 +282,7 @@ class PackedWindowSource:
 
     def __init__(self, stream: TokenStream, seq_len: int):
         self.stream, self.seq_len = stream, seq_len
-        self.n = (len(stream) - 1) // seq_len
+        self.n = max(0, len(stream) - 1) // seq_len
         self.doc_starts = np.concatenate([[0], stream.doc_ends[:-1]])
 
     def __len__(self) -> int:
@@ -365,11 +369,14 @@ class Batches:
         return np.stack([self.train[first + r] for r in range(self.global_batch_size)])
 
 
-def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str):
+def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str, held_out: bool = True):
     """(train windows, held-out windows, description, held-out bytes per token or None) of one
-    data path."""
-    train_tokens, val_tokens, desc, bytes_per_token = load_tokens(data_cfg, vocab_size)
-    for split, tokens in (("training", train_tokens), ("held-out", val_tokens)):
+    data path; `held_out`: see load_tokens."""
+    train_tokens, val_tokens, desc, bytes_per_token = load_tokens(data_cfg, vocab_size, held_out)
+    splits = (
+        (("training", train_tokens), ("held-out", val_tokens)) if held_out else (("training", train_tokens),)
+    )
+    for split, tokens in splits:
         if len(tokens) < T + 1:
             raise UserError(
                 f"train.seq_len {T} is longer than the {split} data of {what} ({len(tokens)} tokens); "
@@ -392,12 +399,15 @@ def mixture_order(weights: list[float]) -> grain.MapDataset:
     return grain.MapDataset.mix(tags, weights=weights)
 
 
-def make_batches(cfg, sharding) -> Batches:
+def make_batches(cfg, sharding, held_out: bool | None = None) -> Batches:
+    """The run's batches; `held_out`: whether evaluation will draw held-out batches (default:
+    train.eval_every > 0), without which the data need have none."""
     T, data = cfg.train.seq_len, cfg.data
+    held_out = cfg.train.eval_every > 0 if held_out is None else held_out
     seed = cfg.train.seed % 2**32
     if not data.sources:
         train_src, val_src, desc, bytes_per_token = _windows(
-            data, cfg.model.vocab_size, T, data.packing, "data.path"
+            data, cfg.model.vocab_size, T, data.packing, "data.path", held_out
         )
         if data.packing == "segments":
             desc += "; packing: segments (no padding)"
@@ -414,7 +424,7 @@ def make_batches(cfg, sharding) -> Batches:
             raise UserError(f"data.sources {src.label!r}: {src.path!r} not found")
         one = dataclasses.replace(data, path=src.path, sources=())
         train_src, val_src, desc, _ = _windows(
-            one, cfg.model.vocab_size, T, data.packing, f"source {src.label!r}"
+            one, cfg.model.vocab_size, T, data.packing, f"source {src.label!r}", held_out
         )
         trains.append(grain.MapDataset.source(train_src).shuffle(seed=(seed + k) % 2**32).repeat())
         vals[src.label] = grain.MapDataset.source(val_src).repeat()

@@ -8,11 +8,10 @@ few activations, and XLA's partitioner propagates the rest.
 import math
 from collections.abc import Mapping
 
-import jax
-from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
-
 from spmd.errors import UserError, closest
+
+# JAX is imported where a mesh is built, not here: commands name the axes in their --help before
+# JAX starts (the host heap is set up first: spmd/hostmem.py).
 
 # Order matters: later axes are innermost, i.e. neighbouring devices. Tensor parallelism talks the
 # most per step, so it gets the fastest links; pipeline stages (one activation per microbatch
@@ -88,7 +87,7 @@ def spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def platform_of(mesh: Mesh) -> str:
+def platform_of(mesh) -> str:
     """The platform a mesh's programs are compiled for ("cpu", "gpu", "tpu"; compile-only TPU
     devices in a dry-run say "tpu")."""
     return mesh.devices.flat[0].platform
@@ -100,13 +99,17 @@ def axes_size(sizes: Mapping[str, int], axes) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
-def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None) -> Mesh:
+def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None):
     """A Mesh over all global devices with every axis of MESH_AXES (size 1 where unnamed).
 
     Without `--dcn-mesh`, `--mesh` describes all global devices. With it, `--mesh` is the mesh
     inside one process (standing in for a slice, ICI links) and `--dcn-mesh` multiplies it across
     processes (DCN links): `--dcn-mesh data=2 --mesh fsdp=4` on 2 processes x 4 devices.
     """
+    import jax
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
+
     devices = list(jax.devices() if devices is None else devices)
     if not dcn_mesh:
         sizes = resolve_sizes(parse_mesh(mesh), len(devices))

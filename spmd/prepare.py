@@ -120,6 +120,53 @@ def documents(path: pathlib.Path, opts: Options) -> Iterator[str]:
                     yield text
 
 
+# The end-of-document token of a tokenizer trained here (id 0): spmd-data prepare ends each
+# document with it.
+EOS_TOKEN = "<|endoftext|>"
+
+
+def train_tokenizer(inputs: list[str], out: str, vocab_size: int, opts: Options) -> dict:
+    """Train a byte-level BPE tokenizer.json (Hugging Face `tokenizers`) on the documents of
+    `inputs` (the files `prepare` reads, with the same --text-field and --errors), with EOS_TOKEN
+    as id 0, and write it to `out` atomically. Returns {"vocab_size", "documents", "out"}."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise UserError(
+            f"--vocab-size must be at least 257 (the 256 bytes and {EOS_TOKEN}), got {vocab_size}"
+        )
+    dest = pathlib.Path(out).expanduser()
+    if dest.is_dir():
+        raise UserError(f"--out {out!r} is a directory; give the path of the tokenizer.json to write")
+    files = input_files(inputs)
+    count = [0]
+
+    def texts():
+        for path in files:
+            for text in documents(path, opts):
+                count[0] += 1
+                yield text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts(), trainer)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tmp))
+        tmp.replace(dest)
+    except OSError as e:
+        raise UserError(f"--out {out!r} cannot be written: {e.strerror}") from None
+    return {"vocab_size": tok.get_vocab_size(), "documents": count[0], "out": str(dest)}
+
+
 def in_val(text: str, val_fraction: float) -> bool:
     """The held-out split, by document content: stable under reordering and re-running."""
     digest = hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).digest()

@@ -155,6 +155,7 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
     if is_main:
         try:
             if entries and overwrite:  # everything but the lock we hold
+                log(f"--overwrite: deleting {what_is_in(run_dir)}")
                 for path in run_dir.iterdir():
                     if path.name != runlock.LOCK:
                         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
@@ -173,6 +174,14 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
 
         multihost_utils.sync_global_devices("run directory ready")
     return lost if is_main else 0.0
+
+
+def what_is_in(run_dir: pathlib.Path) -> str:
+    """A run directory's contents in a line: its checkpoints' steps and the bytes of everything."""
+    steps = ckpt.committed_steps(run_dir / ckpt.SUBDIR)
+    n_bytes = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    held = f"checkpoints at steps {', '.join(map(str, steps))}" if steps else "no checkpoints"
+    return f"{run_dir}: {held}, {fmt_bytes(n_bytes)} in all"
 
 
 def describe_run(

@@ -53,11 +53,12 @@ class Setup:
             return self.trainer.eval_step
         return build_eval_step(self.cfg, self.plan, self.choices)
 
-    def batches(self):
-        """The run's data (spmd.data.Batches), laid out for this mesh and these rules."""
+    def batches(self, held_out: bool | None = None):
+        """The run's data (spmd.data.Batches), laid out for this mesh and these rules; `held_out`:
+        whether held-out batches will be drawn (default: train.eval_every > 0)."""
         from spmd.data import make_batches
 
-        return make_batches(self.cfg, self.plan.batch_sharding)
+        return make_batches(self.cfg, self.plan.batch_sharding, held_out)
 
     def to_json(self) -> dict:
         """Config (as given), platform choices, mesh, rules and devices as config.json and

@@ -73,7 +73,8 @@ def test_shape_mismatch_names_the_parameter(tiny_cfg, devices, tmp_path):
     other = load_config("tiny", ["model.d_ff=128"])
     trainer_b, _ = setup(other, "fsdp=8", "fsdp", 8)
     with pytest.raises(
-        UserError, match=r"layers/mlp/w_down_FD has shape \(2, 192, 64\) but this config needs \(2, 128, 64\)"
+        UserError,
+        match=r": params/layers/mlp/w_down_FD has shape \(2, 192, 64\) but this config needs \(2, 128, 64\)",
     ):
         ckpt.restore(tmp_path / ckpt.SUBDIR, 0, trainer_b.abstract_state)
 

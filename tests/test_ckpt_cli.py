@@ -198,7 +198,7 @@ def test_resume_from_errors(trained, tmp_path):
             *base, "--resume-from", str(trained), "--set", "model.d_model=32", "--set", "model.head_dim=8"
         )
     )
-    assert "has shape (256, 64) but this config needs (256, 32)" in line
+    assert ": params/embed_VD has shape (256, 64) but this config needs (256, 32)" in line
     assert not (tmp_path / "new").exists()
 
 

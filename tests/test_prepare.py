@@ -30,7 +30,6 @@ def corpus(tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import sentencepiece
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     root = tmp_path_factory.mktemp("corpus")
     txt = root / "txt"
@@ -42,15 +41,9 @@ def corpus(tmp_path_factory):
     )
     pq.write_table(pa.table({"content": DOCS}), root / "docs.parquet")
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train(
-        [str(p) for p in sorted(txt.iterdir())],
-        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
-    )  # fmt: skip
-    bpe.save(str(root / "tokenizer.json"))
+    # spmd-data train-tokenizer's BPE: <|endoftext|> is id 0
+    trained = prepare.train_tokenizer([str(txt)], str(root / "tokenizer.json"), 300, prepare.Options())
+    assert trained["documents"] == len(DOCS) and trained["vocab_size"] <= 300
     (root / "sp.txt").write_text("\n".join(DOCS * 20))
     sentencepiece.SentencePieceTrainer.train(
         input=str(root / "sp.txt"), model_prefix=str(root / "sp"), vocab_size=60, model_type="bpe",
@@ -306,3 +299,38 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
     )  # fmt: skip
     assert sample.returncode == 0, sample.stderr[-2000:]
     assert sample.stdout.startswith("def add") and len(sample.stdout) > len("def add")
+
+
+def test_train_tokenizer_command(corpus, tmp_path):
+    """spmd-data train-tokenizer: one line on stderr, a tokenizer whose EOS is id 0, which
+    prepare takes; bad input is one error line."""
+    from test_cli import ROOT
+
+    def spmd_data(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "data.py"), *args], capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+
+    out = tmp_path / "tok" / "tokenizer.json"
+    done = spmd_data("train-tokenizer", str(corpus / "docs.jsonl"), "--vocab-size", "280", "--out", str(out))
+    assert done.returncode == 0 and done.stderr.startswith(f"wrote {out}: "), done.stderr
+    tok = tokenizer.load(str(out))
+    assert tok.eos_id == 0 and tok.vocab_size <= 280
+    bad = spmd_data("train-tokenizer", str(corpus / "docs.jsonl"), "--vocab-size", "100", "--out", str(out))
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --vocab-size must be at least 257")
+
+
+def test_data_without_held_out_documents_trains_without_evaluation(corpus, tmp_path, tiny_cfg):
+    """Prepared data may hold out nothing: spmd-data says so (a warning line), training with
+    evaluation off takes it, and with evaluation on it is an error naming both ways out."""
+    from spmd.config import apply_overrides
+    from spmd.data import make_batches
+
+    opts = prepare.Options(tokenizer=str(corpus / "tokenizer.json"), val_fraction=0.0)
+    prepare.prepare([str(corpus / "docs.jsonl")] * 1, str(tmp_path / "all"), opts, progress=False)
+    cfg = apply_overrides(
+        tiny_cfg, [f"data.path={tmp_path / 'all'}", "train.seq_len=8", "model.vocab_size=512"]
+    )
+    with pytest.raises(UserError, match="no held-out documents, which evaluation needs.*--eval-every 0"):
+        make_batches(cfg, None)
+    batches = make_batches(apply_overrides(cfg, ["train.eval_every=0"]), None)
+    assert batches.n_train_windows > 0 and batches.n_val_windows == 0

@@ -41,3 +41,14 @@ def test_train_owns_the_run_dir_and_resumes_where_it_stopped(tmp_path, devices):
     assert (done.step, done.metrics) == (6, [])
     with pytest.raises(UserError, match="exclude each other"):
         run.train(longer, tmp_path / "other", resume_from=str(run_dir), init_from=str(run_dir))
+
+
+def test_overwrite_says_what_it_deletes(tmp_path, devices, capsys):
+    """Rerunning resumes; --overwrite starts afresh, and first says which checkpoints it deletes."""
+    cfg = load_config("tiny", [*OVERRIDES, "train.steps=2"])
+    setup = assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2])
+    run.train(setup, tmp_path / "run")
+    capsys.readouterr()
+    again = run.train(setup, tmp_path / "run", overwrite=True)
+    err = capsys.readouterr().err
+    assert again.step == 2 and f"--overwrite: deleting {tmp_path / 'run'}: checkpoints at steps 2, " in err

@@ -30,6 +30,37 @@ def add_host_devices(
         p.add_argument("--host-devices", type=int, help=help)
 
 
+def add_run_flags(
+    p: argparse.ArgumentParser, config_default: str | None = "small", config_note: str = ""
+) -> None:
+    """--config, --mesh, --rules and --set, with the presets that exist named in their help.
+    `config_note`: what the default means where it is None (spmd-train: small, or --init-from's)."""
+    from spmd import presets
+    from spmd.mesh import MESH_AXES
+
+    configs = ", ".join(presets.names(presets.folder("configs")))
+    rules = ", ".join(presets.names(presets.folder("sharding_rules")))
+    p.add_argument(
+        "--config",
+        default=config_default,
+        help=f"config preset ({configs}) or a .toml path [{config_note or config_default}]",
+    )
+    p.add_argument(
+        "--mesh",
+        default="fsdp=-1",
+        help=f"mesh shape over the axes {', '.join(MESH_AXES)} (unnamed axes are 1; one size may be -1 = "
+        f"what is left), e.g. data=2,fsdp=2,tensor=2; multiplies to the device count [fsdp=-1]",
+    )
+    p.add_argument("--rules", default="fsdp", help=f"sharding rules preset ({rules}) or a .toml path [fsdp]")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set optimizer.learning_rate=1e-3 (repeatable; spmd-train --list-keys)",
+    )
+
+
 def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and onto which mesh (spmd-eval, spmd-sample)."""
     p.add_argument(
@@ -38,6 +69,13 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, help="a committed step [latest]")
     p.add_argument("--mesh", default="fsdp=-1", help="mesh to load onto [fsdp=-1]")
     p.add_argument("--rules", help="sharding rules [the run's own]")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the run's config, e.g. --set model.dtype=float32 (repeatable)",
+    )
     add_host_devices(p)
 
 

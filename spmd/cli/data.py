@@ -1,5 +1,5 @@
-"""`spmd-data prepare`: tokenize documents into shards that spmd-train reads through `data.path`
-(spmd.prepare)."""
+"""`spmd-data`: `prepare` tokenizes documents into shards that spmd-train reads through
+`data.path`; `train-tokenizer` trains a BPE tokenizer for it on the same documents (spmd.prepare)."""
 
 import argparse
 import os
@@ -10,7 +10,8 @@ from spmd.errors import log
 
 EPILOG = """
 examples:
-  spmd-data prepare corpus/ --tokenizer tokenizer.json --out data/corpus --val-fraction 0.01
+  spmd-data train-tokenizer corpus/ --vocab-size 8192 --out data/tokenizer.json
+  spmd-data prepare corpus/ --tokenizer data/tokenizer.json --out data/corpus --val-fraction 0.01
   spmd-data prepare a.jsonl b.parquet --text-field content --tokenizer sp.model --out data/mix-a --workers 4
   spmd-train --config tiny --set data.path=data/corpus --set data.packing=segments ...
 """
@@ -48,6 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shard-tokens", type=int, default=1 << 30, help="tokens per shard file [2^30]")
     add("--overwrite", action="store_true", help="replace an --out that holds a different prepared dataset")
     add("--quiet", action="store_true", help="no progress display")
+    tok = sub.add_parser(
+        "train-tokenizer",
+        help="train a byte-level BPE tokenizer.json on the documents prepare would read",
+        description="Train a byte-level BPE tokenizer (Hugging Face tokenizers) on .txt/.md/.jsonl/.parquet "
+        "documents, with <|endoftext|> as id 0, for spmd-data prepare --tokenizer.",
+    )
+    tok.add_argument("inputs", nargs="+", help="files or directories (as for prepare)")
+    tok.add_argument("--vocab-size", type=int, default=8192, help="tokens, the 256 bytes included [8192]")
+    tok.add_argument("--out", required=True, help="the tokenizer.json to write")
+    tok.add_argument(
+        "--text-field", default="text", help="the text field of .jsonl / column of .parquet [text]"
+    )
+    tok.add_argument(
+        "--errors", default="strict", choices=("strict", "replace"), help="non-UTF-8 text [strict]"
+    )
     return p  # fmt: skip
 
 
@@ -58,6 +74,12 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from spmd import prepare
     from spmd.errors import UserError
+
+    if args.command == "train-tokenizer":
+        opts = prepare.Options(text_field=args.text_field, errors=args.errors)
+        done = prepare.train_tokenizer(args.inputs, args.out, args.vocab_size, opts)
+        log(f"wrote {done['out']}: {done['vocab_size']:,} tokens, trained on {done['documents']:,} documents")
+        return 0
 
     if args.workers < 1 or args.shard_tokens < 1:
         raise UserError("--workers and --shard-tokens must be positive")
@@ -71,6 +93,11 @@ def run(args) -> int:
     m = prepare.prepare(args.inputs, args.out, opts, args.workers, args.overwrite, progress=not args.quiet)
     train, val = m["splits"]["train"], m["splits"]["val"]
     verb = "unchanged (same inputs, tokenizer and options)" if m.get("unchanged") else "wrote"
+    if not val["documents"]:
+        log(
+            f"warning: no document was held out (--val-fraction {args.val_fraction} of {train['documents']:,}): "
+            f"evaluation needs held-out documents; prepare with a larger --val-fraction, or train with --eval-every 0"
+        )
     log(
         f"{verb} {args.out}: {train['documents']:,} training documents ({train['tokens']:,} tokens), "
         f"{val['documents']:,} held out ({val['tokens']:,} tokens); tokenizer {m['tokenizer']['name']} "

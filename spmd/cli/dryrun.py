@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from spmd.cli.common import Parser, add_host_devices, run_main, set_host_platform
+from spmd.cli.common import Parser, add_host_devices, add_run_flags, run_main, set_host_platform
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,10 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-device memory, FLOPs and collectives of a train step, "
         "compiled for a mesh without allocating anything.",
     )
-    p.add_argument("--config", default="small")
-    p.add_argument("--mesh", default="fsdp=-1")
-    p.add_argument("--rules", default="fsdp")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_run_flags(p)
     p.add_argument(
         "--topology",
         help="compile for this TPU slice with the TPU compiler (libtpu: pip install '.[tpu]'), "

@@ -37,9 +37,9 @@ def run(args, may_relaunch: bool = False) -> int:
 
     if args.batches is not None and args.batches < 1:
         raise UserError(f"--batches must be positive, got {args.batches}")
-    overrides = [f"data.path={args.data}", "data.sources=[]"] if args.data else []
+    overrides = list(args.set) + ([f"data.path={args.data}", "data.sources=[]"] if args.data else [])
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
-    batches = loaded.setup.batches()
+    batches = loaded.setup.batches(held_out=True)
     distinct = max(1, batches.n_val_windows // batches.global_batch_size)
     if args.batches is not None and args.batches > distinct:
         raise UserError(

@@ -10,11 +10,18 @@ from spmd.hardware import planner_chips
 
 def build_parser() -> argparse.ArgumentParser:
     from spmd import planner
+    from spmd.mesh import MESH_AXES
 
     p = Parser(prog="spmd-plan", description=planner.__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="small")
-    p.add_argument("--devices", type=int, help="how many devices [--topology's]")
-    p.add_argument("--memory-per-device", help="e.g. 80GiB [--topology's HBM per device]")
+    from spmd import presets
+
+    configs = ", ".join(presets.names(presets.folder("configs")))
+    p.add_argument("--config", default="small", help=f"config preset ({configs}) or a .toml path [small]")
+    p.add_argument("--devices", type=int, help="how many devices to plan for [--topology's chips]")
+    p.add_argument(
+        "--memory-per-device",
+        help="memory budget of each device, with a unit: 80GiB, 512MiB, 96GB [--topology's HBM per device]",
+    )
     p.add_argument(
         "--topology",
         help="rank on the TPU compiler's memory and collectives for this slice (libtpu: pip install "
@@ -26,10 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="hosts (slices) the devices span; cross-host axes use DCN bandwidth",
     )
-    p.add_argument("--hardware", default="h100", choices=planner_chips())
-    p.add_argument("--peak-tflops", type=float)
-    p.add_argument("--ici-gbps", type=float)
-    p.add_argument("--dcn-gbps", type=float)
+    p.add_argument(
+        "--hardware",
+        default="h100",
+        choices=planner_chips(),
+        help="the chip whose peak FLOP/s and link bandwidths rank the layouts [h100]",
+    )
+    p.add_argument("--peak-tflops", type=float, help="override the chip's peak, in TFLOP/s (bf16 dense)")
+    p.add_argument(
+        "--ici-gbps", type=float, help="override the chip's bandwidth within a host or slice, in GB/s"
+    )
+    p.add_argument("--dcn-gbps", type=float, help="override the bandwidth between hosts (slices), in GB/s")
     p.add_argument(
         "--candidates", type=int, default=6, help="dry-run down the ranking until this many layouts fit [6]"
     )
@@ -38,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--axes",
-        help="mesh axes to search, e.g. data,fsdp,context,tensor "
+        help=f"mesh axes to search among {', '.join(MESH_AXES)}, e.g. data,fsdp,context,tensor "
         "[data,fsdp,tensor; with expert for MoE models]",
     )
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
     add_host_devices(p, "fake CPU devices [--devices]", from_env=True)
     return p
 

@@ -56,7 +56,7 @@ def run(args, may_relaunch: bool = False) -> int:
         raise UserError("give a --prompt or a --prompts-file")
     from spmd import tokenizer as tokenizer_lib
 
-    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, batch=0, decoding=True)
+    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, args.set, batch=0, decoding=True)
     tokenizer = tokenizer_lib.for_run(loaded.run_dir, loaded.cfg, loaded.meta.get("run", {}).get("tokenizer"))
     prompts = [tokenizer.encode(t) for t in texts]
     context = loaded.cfg.train.seq_len

@@ -20,8 +20,8 @@ examples:
   spmd-train --config llama-8b --mesh fsdp=-1,tensor=4 --rules fsdp_tp --host-devices 64 --print-sharding
   spmd-train --config tiny --set optimizer.learning_rate=1e-3 --set model.remat=full
 
-mesh axes: data, fsdp, context, expert, tensor (unnamed axes are 1; one size may be -1 = fill).
-Config keys are listed in README.md ("Config keys"); --set takes section.key=value.
+--list-keys prints every config key (of --config's model family) with its value; --set takes
+section.key=value. Docs: docs/ (parallelism and presets, data, checkpoints, ...).
 """
 # Shorthand flags and the config keys they set.
 SHORTHANDS = {
@@ -34,6 +34,7 @@ SHORTHANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from spmd.cli.common import add_run_flags
     from spmd.distributed import add_flags
 
     p = Parser(
@@ -44,35 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = p.add_argument
-    add(
-        "--config",
-        help="config preset in configs/ (tiny, small, llama-1b, ...) or a .toml path "
-        "[small; with --init-from, the checkpoint's own config]",
-    )
-    add(
-        "--mesh",
-        default="fsdp=-1",
-        help="mesh shape, e.g. data=2,fsdp=2,tensor=2; must multiply to the device count [fsdp=-1]",
-    )
+    add_run_flags(p, None, "small; with --init-from, the checkpoint's own config")
     add(
         "--dcn-mesh",
         default="",
         help="mesh across processes (multi-host), e.g. data=2; then --mesh is per process",
     )
-    add(
-        "--rules",
-        default="fsdp",
-        help="sharding rules: a preset in sharding_rules/ (dp, fsdp, tp, fsdp_tp) or a .toml path [fsdp]",
-    )
     add("--steps", type=int, help="optimizer steps (overrides train.steps)")
     add("--run-dir", help="where metrics.jsonl, config.json, tensorboard/ and loss.png go [runs/<config>]")
-    add(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set optimizer.learning_rate=1e-3 (repeatable)",
-    )
     add_host_devices(p, "simulate N CPU devices per process (uses the CPU backend)", from_env=True)
     add("--seed", type=int, help="seed for init and data order (overrides train.seed)")
     add("--log-every", type=int, help="log metrics every N steps (overrides train.log_every)")
@@ -81,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-sharding",
         action="store_true",
         help="print every parameter's sharding and per-device bytes, then exit (allocates nothing)",
+    )
+    add(
+        "--list-keys",
+        action="store_true",
+        help="print every config key with its value (after --set), then exit",
     )
     add(
         "--print-rules",
@@ -130,6 +115,11 @@ def run(args, may_relaunch: bool = False) -> int:
     overrides = list(args.set) + [
         f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
     ]
+    if args.list_keys:
+        from spmd.config import keys_table, load_config
+
+        print(keys_table(load_config(args.config or "small", overrides)))
+        return 0
     before_jax_starts(args.config or "small", overrides, may_relaunch=may_relaunch)
     distributed.initialize_from_flags(args)
     import jax
