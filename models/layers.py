@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.logical import can_merge
+from spmd.logical import can_merge, constrain
 
 
 def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
@@ -33,6 +33,16 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
     # On CPU the backward's dots (x^T g contracts the tokens of both operands) go to oneDNN
     # (spmd/cpu_matmul.py), which takes transposed operands as they are, in the compute dtype.
     return (x_MK @ w_KN.astype(x.dtype)).reshape(*lead, *out)
+
+
+def lookup_table(table_RD, rows: str = "vocab"):
+    """An embedding table as a lookup reads it: its rows (logical name `rows`) split as the rules
+    split them, its embed dimension whole. The rows are gathered by ids split along the batch;
+    where the rules split the table's embed dimension over a batch axis too (FSDP), the
+    partitioner reaches the residual stream's layout from the lookup's only by replicating it.
+    Gathered whole along embed instead, the table is one more FSDP weight: gathered for the
+    forward, its gradient reduce-scattered."""
+    return constrain(table_RD, (rows, None))
 
 
 def param(rngs, cfg, shape, logical, std=None, compute_cast=True):

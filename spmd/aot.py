@@ -12,13 +12,15 @@ that), so the two forms are comparable.
 
 import math
 import os
+import re
+import sys
 import time
 import warnings
 
 import jax
 import numpy as np
 
-from spmd.errors import UserError
+from spmd.errors import UserError, stderr_captured
 from spmd.mesh import MESH_AXES, axes_size, format_mesh, platform_of, spec_axes
 
 
@@ -299,6 +301,37 @@ _COMPILE_ONLY_CACHE_READ = (
 )
 
 
+# XLA's partitioner, where it reaches a sharding only by replicating a tensor and cutting it again.
+_REPLICATED = re.compile(
+    r"cannot go from sharding (.*?) to (.*?) efficiently for HLO operation %\S+ = (\w+\[[\d,]*\])"
+)
+
+
+def partitioner_replications(log: str, rules, sizes: dict) -> list[str]:
+    """A line for each tensor XLA's partitioner replicated to reshard it ("Involuntary full
+    rematerialization"), naming its shape, the two shardings and the logical names the rules map
+    onto the mesh axes involved; the compiler's other log lines go on to stderr."""
+    lines, rest = [], []
+    for line in log.splitlines(keepends=True):
+        m = _REPLICATED.search(line)
+        if not m:
+            rest.append(line)
+            continue
+        # The axes a sharding's dimensions name (after the mesh it lists: "mesh[...], [{'fsdp'}, {}]").
+        dims = "".join(s.split("], ", 1)[1] if "mesh[" in s else "" for s in (m.group(1), m.group(2)))
+        axes = [a for a in MESH_AXES if sizes.get(a, 1) > 1 and f"'{a}'" in dims]
+        names = sorted({n for n, mapped in rules.mapping.items() for a in mapped if a in axes})
+        rule_list = ", ".join(f"{n} -> {'/'.join(rules.mapping[n])}" for n in names)
+        lines.append(
+            f"the partitioner replicates a {m.group(3)} tensor to move it from {m.group(1)} to {m.group(2)} "
+            f"(every device holds it whole for a moment); the rules that map onto {', '.join(axes) or 'these axes'}: {rule_list}"
+        )
+    if rest:
+        sys.stderr.write("".join(rest))
+        sys.stderr.flush()
+    return sorted(set(lines))
+
+
 def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
@@ -312,7 +345,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     t0 = time.perf_counter()
     lowered = trainer.train_step.lower(state, batch)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), stderr_captured() as log:
             warnings.filterwarnings("ignore", message=_COMPILE_ONLY_CACHE_READ)
             compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -333,6 +366,8 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
             f"{mesh.devices.flat[0].device_kind}: {detail}; more devices, fsdp, train.microbatches=N "
             "or model.remat=full would help"
         ) from None
+    finally:
+        replicated = partitioner_replications(log[0] if log else "", rules, dict(mesh.shape))
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     text = compiled.as_text()  # printed once: large for big models, read by both parsers
@@ -366,9 +401,10 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "chip_estimate": chip_estimate(setup, rows, flops, peak, slices),
         # Across TPU slices the compiler moves data with send/recv pairs (megascale), which the
         # collective table does not read: the bytes between slices are missing from it.
-        "notes": [f"{slices} slices: transfers between slices (DCN) are not counted below"]
-        if slices > 1
-        else [],
+        "notes": (
+            [f"{slices} slices: transfers between slices (DCN) are not counted below"] if slices > 1 else []
+        )
+        + replicated,
         "mesh": {a: s for a, s in sizes.items()},
         "rules": rules.name,
         "devices": mesh.size,

@@ -53,6 +53,25 @@ def stderr_parked():
         os.write(2, captured)
 
 
+@contextlib.contextmanager
+def stderr_captured():
+    """Send fd 2 to a temporary file while the block runs (C++ libraries such as XLA log there);
+    yields a list that holds the captured text once the block is done."""
+    captured: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    buffer = tempfile.TemporaryFile()
+    os.dup2(buffer.fileno(), 2)
+    try:
+        yield captured
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        buffer.seek(0)
+        captured.append(buffer.read().decode("utf-8", errors="replace"))
+
+
 def report(e: Exception) -> None:
     """Print `error: ...` on the real stderr (even while fd 2 is parked)."""
     sys.stderr.flush()

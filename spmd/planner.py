@@ -192,6 +192,6 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
             continue
         est = estimate(cfg, cand["setup"].plan, hw, dcn, volume_by_axis(r["collectives"]))
         ranked.append({**cand, **est, "need": need, "sent": r["collective_volume_bytes"],
-                       "compile_s": r["compile_seconds"]})  # fmt: skip
+                       "compile_s": r["compile_seconds"], "notes": r["notes"]})  # fmt: skip
     ranked.sort(key=lambda c: c["step_s"])
     return Search(ranked, rejected, len(fits), compiled)

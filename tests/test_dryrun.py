@@ -158,3 +158,24 @@ def test_explain_finds_a_weight_gathered_in_a_transposed_layout():
     assert why("all-reduce", remat) == ("embed -> fsdp", explain.AS_ALL_REDUCE_GATHER)
     backward = why("all-reduce", "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/dot_general")
     assert backward is None or "gathered" not in backward[1]
+
+
+def test_a_replicating_reshard_becomes_a_report_line_naming_the_rules():
+    """XLA's partitioner logs where it reshards a tensor only by replicating it; the dry-run
+    (and spmd-plan, which runs it) turns the log line into a note naming the tensor, the two
+    shardings and the rules that map onto the mesh axes involved."""
+    from spmd.aot import partitioner_replications
+    from spmd.rules import load_rules
+
+    line = (
+        "W1204 14:49:56.109853 368 spmd_partitioner.cc:666] [SPMD] Involuntary full rematerialization. The "
+        "compiler cannot go from sharding {mesh['stage'=1,'data'=1,'fsdp'=2,'context'=1,'expert'=1,'tensor'=2], "
+        "[{'fsdp'}, {}, {}]} to {devices=[1,1,2,2]<=[4] last_tile_dim_replicate} efficiently for HLO operation "
+        "%fake_parameter.2 = f32[4,64,64]{2,1,0} parameter(2), sharding={...}. As the last resort, SPMD will "
+        "replicate the tensor and then partition it\n"
+    )
+    sizes = {"stage": 1, "data": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
+    (note,) = partitioner_replications(line, load_rules("fsdp_tp"), sizes)
+    assert note.startswith("the partitioner replicates a f32[4,64,64] tensor to move it from {mesh[")
+    assert "embed -> fsdp" in note and "batch -> data/fsdp" in note and "heads -> tensor" not in note
+    assert partitioner_replications("", load_rules("fsdp_tp"), sizes) == []

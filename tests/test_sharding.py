@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from spmd import sharding as sharding_lib
 from spmd.setup import assemble
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 LAYOUTS = {"dp": "data=8", "fsdp": "fsdp=8", "tp": "data=4,tensor=2", "fsdp_tp": "data=2,fsdp=2,tensor=2"}
 
@@ -94,3 +97,49 @@ def test_weight_decay_follows_the_parameters_declaration(tiny_cfg, devices):
         "layers/attn_norm/scale_D", "layers/mlp_norm/scale_D", "final_norm/scale_D",
     }  # fmt: skip
     assert all(info.weight_decay == ("norm" not in info.logical) for info in plan.params)
+
+
+# Every shipped preset on a mesh that uses all its axes, on the test configs of each family (the
+# partitioner's choices depend on the sharding pattern, not on the sizes).
+PRESET_CASES = [
+    ("tiny", "base", "data=8"), ("tiny", "dp", "data=8"), ("tiny", "dp_zero1", "data=8"),
+    ("tiny", "fsdp", "data=2,fsdp=4"), ("tiny", "tp", "data=4,tensor=2"), ("tiny", "tp_zero1", "data=4,tensor=2"),
+    ("tiny", "fsdp_tp", "data=2,fsdp=2,tensor=2"), ("tiny", "tp_sp", "data=4,tensor=2"),
+    ("tiny", "fsdp_tp_sp", "fsdp=4,tensor=2"), ("tiny", "cp_ring", "fsdp=2,tensor=2,context=2"),
+    ("tiny", "cp_ulysses", "fsdp=4,context=2"), ("tiny", "allgather", "fsdp=2,context=4"),
+    ("tiny-moe", "ep", "data=2,expert=2,tensor=2"), ("tiny-moe", "fsdp_ep", "fsdp=2,expert=4"),
+    ("tiny", "pp", "stage=2,data=4"), ("tiny", "pp_fsdp", "stage=2,fsdp=4"),
+    ("tiny", "pp_fsdp_tp", "stage=2,fsdp=2,tensor=2"), ("tiny-gpt2", "fsdp_tp", "fsdp=4,tensor=2"),
+    ("tiny-gpt2", "pp_fsdp", "stage=2,fsdp=4"), ("tiny-qwen3", "fsdp_tp", "fsdp=4,tensor=2"),
+]  # fmt: skip
+COMPILE_ALL = """
+import sys, jax
+from spmd.rules import presets
+from spmd.setup import assemble
+cases = {cases!r}
+assert {{r for _, r, _ in cases}} == set(presets()), "a preset without a case"
+for cfg, rules, mesh in cases:
+    print(f"case {{cfg}} {{rules}} {{mesh}}", file=sys.stderr, flush=True)
+    s = assemble(cfg, mesh, rules)
+    batch = s.trainer.abstract_batch(s.cfg.train.global_batch_size, s.cfg.train.seq_len)
+    s.trainer.train_step.lower(s.trainer.abstract_state, batch).compile()
+"""
+
+
+def test_no_preset_leaves_the_partitioner_a_sharding_it_can_only_reach_by_replicating():
+    """XLA's partitioner warns ("Involuntary full rematerialization") where it can reach a
+    sharding the program asks for only by replicating a tensor and cutting it again: the lookup
+    of an FSDP-split embedding table did so under fsdp x another axis. Compiled in a subprocess,
+    where its log lines can be read."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_ALL.format(cases=PRESET_CASES)],
+        capture_output=True, text=True, timeout=600, env=env, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    case = None
+    for line in result.stderr.splitlines():
+        case = line if line.startswith("case ") else case
+        assert "Involuntary full rematerialization" not in line, f"{case}: {line[:600]}"
+    assert case == "case " + " ".join(PRESET_CASES[-1])

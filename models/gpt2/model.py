@@ -19,7 +19,7 @@ from spmd.family import Figures
 from spmd.logical import constrain
 from spmd.models import attention
 from spmd.models.decoder import REMAT_POLICIES, RESIDUAL_AXES, Decoder, attention_flops_per_token
-from spmd.models.layers import param, project
+from spmd.models.layers import lookup_table, param, project
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -178,8 +178,8 @@ class GPT2(Decoder):
 
     def embed(self, tokens_BT, positions_BT):
         # Padding (decoding left-padded prompts) has negative positions: any row will do, it is masked.
-        pos_BTD = jnp.take(self.wpe_PD[...], jnp.maximum(positions_BT, 0), axis=0)
-        x_BTD = jnp.take(self.wte_VD[...], tokens_BT, axis=0) + pos_BTD
+        pos_BTD = jnp.take(lookup_table(self.wpe_PD[...], "positions"), jnp.maximum(positions_BT, 0), axis=0)
+        x_BTD = jnp.take(lookup_table(self.wte_VD[...]), tokens_BT, axis=0) + pos_BTD
         return x_BTD.astype(jnp.dtype(self.cfg.dtype))
 
     def head(self, x_BTD):

@@ -25,7 +25,7 @@ from spmd.models.decoder import (
     attention_flops_per_token,
     layer_groups,
 )
-from spmd.models.layers import MLP, RMSNorm, param, project, rope, rope_frequencies
+from spmd.models.layers import MLP, RMSNorm, lookup_table, param, project, rope, rope_frequencies
 from spmd.models.moe import MoE, MoEConfig, capacity
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -189,7 +189,7 @@ class Llama(Decoder):
             self.head_DV = param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_BT, positions_BT):
-        return jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return jnp.take(lookup_table(self.embed_VD[...]), tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
     def head(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)

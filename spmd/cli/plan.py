@@ -119,6 +119,8 @@ def run(args) -> int:
             + (f", DCN axes {','.join(c['dcn_axes'])}" if c["dcn_axes"] else "")
             + f"); needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}"
         )
+        for note in c.get("notes", []):
+            print(f"     note: {note}")
     if not found.ranked:
         print("  none fits; more devices, microbatches (--set train.microbatches=N) or remat would help")
     if found.fit_by_analytic_memory > found.compiled:
