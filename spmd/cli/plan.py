@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dcn-gbps", type=float, help="override the bandwidth between hosts (slices), in GB/s")
     p.add_argument(
+        "--host-gbps",
+        type=float,
+        default=planner.HOST_BYTES_PER_S / 1e9,
+        help=f"device <-> host memory bandwidth, for an offloaded optimizer state, in GB/s [{planner.HOST_BYTES_PER_S / 1e9:g}]",
+    )
+    p.add_argument(
         "--candidates", type=int, default=6, help="dry-run down the ranking until this many layouts fit [6]"
     )
     p.add_argument(
@@ -102,8 +108,10 @@ def run(args) -> int:
         from spmd.hardware import cores_per_chip
 
         hw = {k: v / cores_per_chip(device_list) for k, v in hw.items()}
+    if not args.host_gbps > 0:
+        raise UserError(f"--host-gbps must be a positive number, got {args.host_gbps}")
     found = planner.search(cfg, args.devices, budget, hw, args.dcn, planner.search_axes(cfg, args.axes), args.candidates,
-                        args.max_compiles, device_list)  # fmt: skip
+                        args.max_compiles, device_list, args.host_gbps * 1e9)  # fmt: skip
 
     print(
         f"{cfg.name} on {args.devices} devices ({args.hardware}: {hw['peak'] / 1e12:.0f} TFLOP/s, "
@@ -113,16 +121,21 @@ def run(args) -> int:
     print("best layouts (dry-run compiled; step time = compute + communication, not overlapped):")
     for i, c in enumerate(found.ranked[:5], 1):
         print(
-            f"  {i}. --mesh {c['mesh']} --rules {c['rules']}: est. step {_t(c['step_s'])} "
+            f"  {i}. --mesh {c['mesh']} --rules {c['rules']}{planner.sets(c['levers'])}: est. step {_t(c['step_s'])} "
             f"(compute {_t(c['compute_s'])} + comm {_t(c['comm_s'])}"
             + (f", pipeline bubble {c['bubble_fraction']:.0%} counted" if c.get("bubble_fraction") else "")
             + (f", DCN axes {','.join(c['dcn_axes'])}" if c["dcn_axes"] else "")
             + f"); needs {fmt_bytes(c['need'])} of {fmt_bytes(budget)}; sends {fmt_bytes(c['sent'])}"
         )
+        if c["why"]:
+            print(f"     why: {c['why']}")
         for note in c.get("notes", []):
             print(f"     note: {note}")
     if not found.ranked:
-        print("  none fits; more devices, microbatches (--set train.microbatches=N) or remat would help")
+        print(
+            "  none fits, with remat, microbatches or the optimizer state offloaded either: more devices, "
+            "or raise --max-compiles to try more layouts"
+        )
     if found.fit_by_analytic_memory > found.compiled:
         max_compiles = args.max_compiles if args.max_compiles is not None else 4 * args.candidates
         print(
