@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import threading
 from collections.abc import Callable
 
@@ -320,6 +321,40 @@ def _temporary(dest: pathlib.Path) -> pathlib.Path:
     return tmp
 
 
+# A Hugging Face Hub repository id, "org/name" (a local directory of that name wins).
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# What import reads of a Hub repository: configs, weights, tokenizer.
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model"]
+
+
+def from_hub(repo_id: str) -> pathlib.Path:
+    """The local snapshot of a Hub repository (huggingface_hub's cache: downloaded if missing and
+    the network and HF_HUB_OFFLINE allow; HF_HOME / HF_HUB_CACHE say where the cache is)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return pathlib.Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError:
+        raise UserError(
+            f"{repo_id!r} is not a local directory, nor in the Hugging Face cache, and cannot be downloaded "
+            f"(offline or HF_HUB_OFFLINE set); download it first (huggingface-cli download {repo_id}) or give its directory"
+        ) from None
+    except GatedRepoError:
+        raise UserError(
+            f"Hugging Face repository {repo_id!r} is gated: accept its terms and log in (HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise UserError(f"Hugging Face repository {repo_id!r} not found (or private: set HF_TOKEN)") from None
+    except HfHubHTTPError as e:
+        raise UserError(f"downloading {repo_id!r} from the Hugging Face Hub failed: {e}") from None
+
+
 def import_hf(
     hf_dir: str,
     run_dir: str,
@@ -340,8 +375,12 @@ def import_hf(
     from spmd.setup import assemble
 
     src = pathlib.Path(hf_dir).expanduser()
+    if not src.is_dir() and not src.exists() and HUB_ID.fullmatch(hf_dir):
+        src = from_hub(hf_dir)
     if not src.is_dir():
-        raise UserError(f"Hugging Face directory {str(src)!r} not found")
+        raise UserError(
+            f"Hugging Face directory {str(src)!r} not found (a Hub repository id looks like org/name)"
+        )
     if not (src / CONFIG).is_file():
         raise UserError(f"{src} has no {CONFIG}; give the directory save_pretrained wrote")
     hf = _read_json(src / CONFIG)

@@ -11,13 +11,14 @@ from test_cli import ROOT, spmd_train
 from spmd import checkpoint as ckpt
 
 
-def spmd_ckpt(*args):
+def spmd_ckpt(*args, env=None):
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "ckpt.py"), *args],
         capture_output=True,
         text=True,
         timeout=300,
         stdin=subprocess.DEVNULL,
+        env=env,
     )
 
 

@@ -2,6 +2,7 @@
 scripts/make_hf_fixtures.py; neither torch nor transformers is needed here)."""
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -423,3 +424,20 @@ def test_train_cli_init_from_then_export_keeps_the_hf_family(imported, tmp_path)
     assert done["architecture"] == "Qwen2ForCausalLM" and done["step"] == 2
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (1, 2)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_import_takes_a_hub_id_from_the_cache_offline(tmp_path):
+    """spmd-ckpt import-hf org/name reads huggingface_hub's cache (pre-filled here as the Hub
+    lays it out; HF_HUB_OFFLINE=1, so nothing is downloaded); a repository not cached is one
+    error line."""
+    cache = tmp_path / "hf" / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(FIXTURES / "llama", cache / "snapshots" / "0123abcd")
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("0123abcd")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    done = spmd_ckpt("import-hf", "acme/tiny-llama", "--run-dir", str(tmp_path / "run"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert "imported LlamaForCausalLM" in done.stdout and (tmp_path / "run" / "tokenizer.json").is_file()
+    missing = spmd_ckpt("import-hf", "acme/absent", "--run-dir", str(tmp_path / "run2"), env=env)
+    assert "is not a local directory, nor in the Hugging Face cache" in one_error_line(missing)

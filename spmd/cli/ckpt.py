@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face model directory (Llama, Mistral, Qwen2, Mixtral; config.json + safetensors) "
         "-> a run dir with config.toml and a step-0 checkpoint that --init-from, spmd-eval and spmd-sample take",
     )
-    h.add_argument("hf_dir", metavar="HF_DIR", help="the directory save_pretrained wrote (or a hub snapshot)")
+    h.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="the directory save_pretrained wrote, or a Hugging Face Hub id (org/name: from its cache, downloaded if missing)",
+    )
     h.add_argument("--run-dir", required=True, help="the run directory to create")
     h.add_argument(
         "--mesh",
