@@ -4,11 +4,14 @@ the engine imports no model, commands share only public names, and nothing but s
 assembles a run."""
 
 import ast
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 import zipfile
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The repository's code folders and the import names they install as (pyproject's package-dir).
@@ -24,21 +27,26 @@ def _modules() -> dict[str, pathlib.Path]:
     return mods
 
 
-def test_the_wheel_installs_one_top_level_name_with_every_module_and_preset(tmp_path):
-    src = tmp_path / "src"  # built from a copy: setuptools writes build/ beside the sources
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> pathlib.Path:
+    """The project's wheel, built from a copy (setuptools writes build/ beside the sources)."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md", *PACKAGES, "configs", "sharding_rules"):
-        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
-        copy(
-            ROOT / name,
-            src / name,
-            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
-        )
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(root), str(src)],
         check=True, capture_output=True,
     )  # fmt: skip
-    (wheel,) = tmp_path.glob("*.whl")
+    (built,) = root.glob("*.whl")
+    return built
+
+
+def test_the_wheel_installs_one_top_level_name_with_every_module_and_preset(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         (top,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
@@ -49,6 +57,41 @@ def test_the_wheel_installs_one_top_level_name_with_every_module_and_preset(tmp_
     }
     assert expected <= names, sorted(expected - names)
     assert "spmd/configs/small.toml" in names and "spmd/sharding_rules/fsdp_tp.toml" in names
+
+
+# Python 3.11 with torch and transformers (the HF fixtures' venv; .ci/run makes it).
+TORCH_PYTHON = ROOT / ".venv-torch" / "bin" / "python"
+BESIDE = """
+import importlib.util, sys
+sys.path.insert(0, sys.argv[1])
+import spmd
+assert importlib.util.find_spec("kernels") is None and importlib.util.find_spec("models") is None
+from transformers import LlamaConfig, LlamaForCausalLM
+LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1))
+print(spmd.__file__)
+"""
+
+
+@pytest.mark.skipif(
+    not TORCH_PYTHON.exists(), reason="needs .venv-torch: Python 3.11 with torch and transformers"
+)
+def test_transformers_builds_a_model_beside_the_installed_wheel(wheel, tmp_path):
+    """Installed with its metadata into a directory on transformers' path, the wheel shadows no
+    package of another (no top-level `kernels` for the kernel hub, no `models`), and transformers
+    builds a model beside it."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [str(TORCH_PYTHON), "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python", "--target",
+         str(target), str(wheel)], check=True, capture_output=True,
+    )  # fmt: skip
+    result = subprocess.run(
+        [str(TORCH_PYTHON), "-c", BESIDE, str(target)], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,  # not the repository root, whose source folders `-c` would put on the path
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().startswith(str(target))
 
 
 def _imports(path: pathlib.Path, mods) -> list[tuple[str, list[str]]]:
