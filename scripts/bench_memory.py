@@ -1,4 +1,4 @@
-"""Memory levers side by side (issue 18): per-device memory and bytes sent of llama-8b on 64 and
+"""Memory levers side by side: per-device memory and bytes sent of llama-8b on 64 and
 llama-70b on 256 fake devices under dp, dp_zero1 and fsdp, for several optimizers, and the smallest
 device count on which each fits a per-device budget according to the compiled step.
 

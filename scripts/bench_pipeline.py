@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 16): step time against the analytic bubble, activation memory
+"""Pipeline parallelism: step time against the analytic bubble, activation memory
 against the number of microbatches, and a large model's dry-run with and without stages.
 
     python scripts/bench_pipeline.py [--steps 6] [--rounds 2] [--skip-70b]

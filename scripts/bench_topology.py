@@ -1,4 +1,4 @@
-"""Dry-runs with the TPU compiler next to XLA:CPU's (issue 20): per-chip memory, bytes sent against
+"""Dry-runs with the TPU compiler next to XLA:CPU's: per-chip memory, bytes sent against
 the analytic minimum, and the datasheet estimate of step time and MFU, for each preset.
 
     python scripts/bench_topology.py [--rows llama-8b:v5p:4x4x4:fsdp:fsdp=64,...] [--set KEY=VALUE ...]

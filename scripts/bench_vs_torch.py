@@ -577,7 +577,7 @@ def group_dp(args, table):
     cfg = load_config("small")
     base = {"world": 2, "steps": args.steps, "warmup": 3}
     # Ours as it runs (cpu.grad_reduce=auto: one flat gradient vector across processes) and with
-    # XLA's own all-reduce of every gradient array, the layout before issue 19's change.
+    # XLA's own all-reduce of every gradient array, the layout before the flat gradient sum.
     variants = {"ours": "auto", "ours xla": "xla"}
     participants = []
     for name, grad_reduce in variants.items():

@@ -1,4 +1,4 @@
-"""What the TPU compiler emits for one gather and one reduce-scatter (issue 20): over a whole slice
+"""What the TPU compiler emits for one gather and one reduce-scatter: over a whole slice
 or over part of it, on 2-D and 3-D tori. Compile only, from this CPU machine (libtpu: pip install
 '.[tpu]').
 

@@ -282,8 +282,7 @@ def test_chunked_train_step_memory_grows_linearly(devices):
 def test_cpu_attention_keeps_the_scale_off_the_score_arrays():
     """The CPU path scales q before the logits' dot, and its backward keeps the scale off ds: with
     the scale on the (b, Q, S) logits XLA:CPU materialised the scalar as a (b, Q, S) broadcast, read
-    by the dot's oneDNN fusion as a post-op (and again by ds), 2-6% of a train step (docs/
-    performance.md, issue 19, eleventh pass). No broadcast of the scores' shape in forward+backward."""
+    by the dot's oneDNN fusion as a post-op (and again by ds), 2-6% of a train step. No broadcast of the scores' shape in forward+backward."""
     B, T, N, K, H = 2, 64, 4, 2, 32
     rng = np.random.default_rng()
     q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)

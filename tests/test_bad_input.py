@@ -1,4 +1,4 @@
-"""Hostile input a user met (issue 17's list): each is one `error:` line, exit code 2, and nothing
+"""Hostile input a user met (found by hostile-input checks): each is one `error:` line, exit code 2, and nothing
 written."""
 
 import pathlib

@@ -38,7 +38,7 @@ ONE_DEVICE["AuthenticAMD"] = [
     *ONE_DEVICE["GenuineIntel"][8:],
 ]
 PINNED = {
-    # Re-recorded once (2026-12-01, issue 19): the CPU attention's own backward
+    # Re-recorded once (2026-12-01): the CPU attention's own backward
     # (spmd.models.attention.softmax_attention_cpu) sums in another order; step 8 moved by 1 ulp
     # (5.179219722747803 before). The one-device trajectory did not move.
     "fsdp=2,tensor=2": [

@@ -55,7 +55,7 @@ def test_the_tpu_compiler_reduce_scatters_what_xla_cpu_all_reduces(v5e, devices)
 
 
 def test_sharded_weight_update_reduce_scatters_on_tpu_and_sends_what_dp_sends(v5e):
-    """dp_zero1 (issue 18) with the TPU compiler: gradients reduce-scattered over data, updated
+    """dp_zero1 with the TPU compiler: gradients reduce-scattered over data, updated
     parameters all-gathered, and about the bytes plain dp sends (XLA:CPU all-reduces and slices:
     1.5x). Plain dp's all-reduce is the analytic minimum exactly."""
     wide = ("model.d_model=256", "model.d_ff=512", "model.n_heads=8", "model.head_dim=32")
@@ -109,7 +109,7 @@ def test_collectives_over_a_whole_slice_run_as_all_reduces_and_are_counted_as_su
     ids=["tp", "fsdp", "fsdp-bf16"],
 )
 def test_tiny_sends_its_analytic_minimum_on_the_tpu_compiler(v5e, mesh, rules, extra):
-    """The documented tolerance (README): counted one-way, within 1.1x of the analytic minimum.
+    """The documented tolerance (docs/dryrun-and-planner.md): counted one-way, within 1.1x of the analytic minimum.
     tp: no gathers over tensor (the xla attention keeps batch and kv heads apart off CPU), the
     vocabulary's two (B, T, D) sums counted; fsdp: each async gather counted once, weights gathered
     twice in the dtype the matmuls read (bf16 on TPU for fp32 weights too)."""
