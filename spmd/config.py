@@ -19,6 +19,7 @@ import typing
 from spmd import family as family_lib
 from spmd import presets as presets_lib
 from spmd.errors import UserError, closest
+from spmd.metrics import MetricsConfig
 from spmd.optimizer import OptimizerConfig
 from spmd.pipeline import PipelineConfig
 from spmd.policy import CpuConfig
@@ -201,6 +202,7 @@ class Config:
     attention: AttentionConfig = AttentionConfig()
     pipeline: PipelineConfig = PipelineConfig()
     cpu: CpuConfig = CpuConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def model_family(self) -> family_lib.ModelFamily:
@@ -219,6 +221,7 @@ SECTIONS = {
     "attention": AttentionConfig,
     "pipeline": PipelineConfig,
     "cpu": CpuConfig,
+    "metrics": MetricsConfig,
 }
 # Keys that moved to the table that owns them: old key -> its new home. In a config file or --set
 # an old key is an error naming the new one; a config saved by an older version (checkpoints,
@@ -277,6 +280,8 @@ def presets() -> list[str]:
 
 
 def _type_name(t) -> str:
+    if typing.get_origin(t) is tuple:
+        return "a list of strings"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
@@ -284,6 +289,13 @@ def _coerce(key: str, value, t, source: str):
     """Check (TOML value) or parse (string from --set) `value` as type `t`."""
     if key == "data.sources":
         return parse_sources(value, source)
+    if typing.get_origin(t) is tuple:  # a list of strings: a TOML array, or "a,b" from --set
+        if isinstance(value, str) and source == "--set":
+            text = value.strip().strip("[]")
+            return tuple(part.strip().strip("'\"") for part in text.split(",") if part.strip())
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise UserError(f"{source}: {key} must be {_type_name(t)}, got {value!r}")
     if isinstance(value, str) and source == "--set" and t is not str:
         text = value.strip()
         try:

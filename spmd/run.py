@@ -26,7 +26,7 @@ from spmd.data import data_tokenizer
 from spmd.errors import UserError, log
 from spmd.hf import TOKENIZER_FILES
 from spmd.mesh import format_mesh
-from spmd.metrics import MetricsWriteError, MetricsWriter, peak_flops
+from spmd.metrics import MetricsWriteError, MetricsWriter, check_backends, peak_flops
 from spmd.sharding import fmt_bytes, tree_bytes_per_device
 from spmd.tokenizer import run_file_name
 from spmd.trainer import evaluate_all
@@ -75,6 +75,8 @@ def train(
     start = ckpt.resume_or_init(
         setup.trainer, batches, run_dir, resume_from, overwrite, init["record"]["path"] if init else None
     )
+    if is_main:
+        check_backends(setup.cfg.metrics)
     # Everything above validated the input; from here on we write, holding the run dir's lock.
     lock = runlock.acquire(run_dir)
     try:
@@ -272,9 +274,16 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         return Result(run_dir, start.step, [])
     ledger = goodput.Ledger(started, start.goodput)
     ledger.add("lost", lost)
+    # The trackers start before the compile, so that one that cannot start costs no compile.
+    writer = MetricsWriter(run_dir, cfg.metrics, resolved) if is_main else None
     t0 = time.perf_counter()
     ledger.add("init", t0 - started)
-    step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+    try:
+        step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
     compile_seconds = time.perf_counter() - t0
     ledger.add("compile", compile_seconds)
     if is_main:
@@ -287,7 +296,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         metrics = loop.MetricsHook(
             tcfg.log_every, tcfg.eval_every, tcfg.global_batch_size * tcfg.seq_len,
             resolved["model"]["flops_per_token"], resolved["peak_flops"]["value"], z_loss=bool(tcfg.z_loss),
-            writer=MetricsWriter(run_dir), start_step=start.step, ledger=ledger,
+            writer=writer, start_step=start.step, ledger=ledger,
         )  # fmt: skip
         hooks += [metrics, loop.ProgressHook(tcfg.log_every, tcfg.eval_every, tcfg.steps, start.step)]
     hooks.append(

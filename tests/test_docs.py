@@ -23,7 +23,7 @@ from spmd import planner, presets, topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.M | re.S)
 CLI = {  # console script -> its module (pyproject's [project.scripts])
     "spmd-train": "train",
     "spmd-ckpt": "ckpt",
