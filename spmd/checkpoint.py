@@ -393,8 +393,7 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial
     for key, (shape, dtype) in sorted(wanted.items(), key=lambda kv: not kv[0].startswith("params")):
         if key not in saved:
             raise UserError(
-                f"checkpoint {directory}/{step} has no array {key} that this config needs; "
-                f"was it written by a different model config?"
+                f"checkpoint {directory}/{step} has no array {key} that this config needs; {_differs(key)}"
             )
         if saved[key][0] != shape:
             raise UserError(
@@ -409,7 +408,20 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial
             )
     extra = sorted(set(saved) - set(wanted))
     if extra and not partial:
-        raise UserError(f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have")
+        raise UserError(
+            f"checkpoint {directory}/{step} holds {extra[0]}, which this config does not have; {_differs(extra[0])}"
+        )
+
+
+def _differs(key: str) -> str:
+    """What an array present on one side only says about the two configs."""
+    if key.startswith("opt_state"):
+        return (
+            "the optimizer state is laid out by other optimizer settings (optimizer.name, state_dtype, "
+            "grad_clip on or off, ...): resume with the settings it was written with, or start from its "
+            "parameters with --init-from"
+        )
+    return "it was written by a different model config (spmd-ckpt inspect names it)"
 
 
 def restore(directory: pathlib.Path, step: int, target) -> tuple[dict, dict]:

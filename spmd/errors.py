@@ -23,6 +23,24 @@ def closest(name: str, choices) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+def check_writable(path, flag: str) -> None:
+    """`path` (a directory a command will create or fill) can be written: its nearest existing
+    ancestor is a directory where a new entry can be made (tried, then removed), so an unwritable
+    output is one error before any work, not an OSError after it."""
+    import pathlib
+
+    path = pathlib.Path(path).expanduser().absolute()
+    ancestor = next(p for p in (path, *path.parents) if p.exists())
+    if not ancestor.is_dir():
+        raise UserError(f"{flag} {str(path)!r} cannot be a directory: {str(ancestor)!r} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".spmd-probe-", dir=ancestor))
+    except OSError as e:
+        raise UserError(
+            f"{flag} {str(path)!r} cannot be written: making an entry in {str(ancestor)!r} failed: {e.strerror}"
+        ) from None
+
+
 _real_stderr_fd: int | None = None
 
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from spmd import family as family_lib
-from spmd.errors import UserError
+from spmd.errors import UserError, check_writable
 from spmd.family import HFTensor
 from spmd.sharding import path_str
 
@@ -60,6 +60,12 @@ def architecture(hf: dict, source: str) -> tuple[str, family_lib.ModelFamily]:
             f"{source}: architecture {arch or hf.get('model_type')!r} is not supported; "
             f"import takes {', '.join(family_lib.architectures())}"
         )
+    expected = family.hf.architectures[arch]
+    if hf.get("model_type", expected) != expected:
+        raise UserError(
+            f"{source}: architectures says {arch} (model_type {expected!r}) but model_type is "
+            f"{hf['model_type']!r}; the config contradicts itself, so which model it is cannot be told"
+        )
     return arch, family
 
 
@@ -87,6 +93,10 @@ def hf_names(t: HFTensor, shape: tuple[int, ...]):
 # --- reading safetensors -----------------------------------------------------------------------
 
 
+# safetensors dtypes that hold weights as numbers we can cast exactly enough (the parameter dtype).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
 class Weights:
     """The tensors of an HF directory: one model.safetensors or the shards an index names. Only
     the headers are read here; each read maps its file, copies the asked-for block out and unmaps
@@ -105,20 +115,22 @@ class Weights:
             weight_map, files = None, [SINGLE_FILE]
         else:
             raise UserError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX}")
-        self.where, self.shapes = {}, {}
+        self.where, self.shapes, self.dtypes = {}, {}, {}
         for name in files:
             path = hf_dir / name
             if not path.is_file():
                 raise UserError(f"{index} names the shard {name}, which is missing from {hf_dir}")
             try:
                 with self._open(name) as handle:
-                    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+                    slices = {k: handle.get_slice(k) for k in handle.keys()}
+                    shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+                    dtypes = {k: v.get_dtype() for k, v in slices.items()}
             except Exception as e:  # noqa: BLE001 — safetensors raises its own error types for bad files
                 raise UserError(
                     f"{path} is not a readable safetensors file ({e}); is it truncated?"
                 ) from None
             for k, shape in shapes.items():
-                self.where[k], self.shapes[k] = name, shape
+                self.where[k], self.shapes[k], self.dtypes[k] = name, shape, dtypes[k]
         if weight_map is not None:
             for k, name in weight_map.items():
                 if self.where.get(k) != name:
@@ -150,6 +162,11 @@ def check_tensors(
                 raise UserError(
                     f"{weights.dir}: tensor {name} has shape {list(weights.shapes[name])} but config.json "
                     f"implies {list(want)}; the config does not match the weights"
+                )
+            if weights.dtypes[name] not in FLOAT_DTYPES:
+                raise UserError(
+                    f"{weights.dir}: tensor {name} holds {weights.dtypes[name]}, not floating-point weights "
+                    f"({', '.join(FLOAT_DTYPES)}); a quantized or damaged checkpoint cannot be imported as it is"
                 )
             used.add(name)
     for name in sorted(weights.shapes):
@@ -288,6 +305,7 @@ def _empty_destination(path: pathlib.Path, flag: str, overwrite: bool = False) -
         raise UserError(f"{flag} {str(path)!r} is a file; give a directory")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise UserError(f"{flag} {str(path)!r} already holds files; give a new directory")
+    check_writable(path, flag)
 
 
 def _sync(name: str) -> None:

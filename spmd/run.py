@@ -311,11 +311,12 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         hooks.append(loop.ProfileHook(run_dir / "profile", *profile, start.step))
     preemption = loop.Preemption().install()
     watchdog = Watchdog(tcfg.step_timeout, run_dir / "hangs", jax.process_index(), compile_seconds)
+    train_loop = loop.TrainLoop(
+        step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,
+        watchdog=watchdog,
+    )  # fmt: skip
     try:
-        loop.TrainLoop(
-            step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,
-            watchdog=watchdog,
-        ).run(start.state, start.step, tcfg.steps)  # fmt: skip
+        train_loop.run(start.state, start.step, tcfg.steps)
     except MetricsWriteError as e:
         raise MetricsWriteError(f"{e}; {ckpt.kept_checkpoints(checkpointer.directory)}") from None
 
@@ -330,4 +331,8 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         evals = [r["eval_loss"] for r in history if "eval_loss" in r]
         log(f"done: step {last['step']}, loss {last['loss']:.4f}" + (f", eval loss {evals[-1]:.4f}" if evals else "")
             + f"; {goodput.summary(ledger.totals())}; run dir {run_dir}")  # fmt: skip
+    if is_main and train_loop.skipped:
+        log(f"warning: {train_loop.skipped} of {tcfg.steps - start.step} steps had a non-finite loss or gradient "
+            f"norm and were skipped (the state unchanged)"
+            + ("; train.max_skipped_steps = 0 lets a run skip every step" if not tcfg.max_skipped_steps else ""))  # fmt: skip
     return Result(run_dir, tcfg.steps, history)

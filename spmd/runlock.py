@@ -80,7 +80,10 @@ def _take(run_dir: pathlib.Path) -> pathlib.Path:
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return path
-    raise UserError(f"could not take the lock {path}; another trainer is starting in {str(run_dir)!r}")
+    raise UserError(
+        f"could not take the lock {path}: it names no trainer (not the JSON record of a host and process: "
+        f"left half-written by a crash, or edited); if no trainer is starting in {str(run_dir)!r}, remove it"
+    )
 
 
 def acquire(run_dir: pathlib.Path) -> RunLock:

@@ -1,7 +1,10 @@
 """Hostile input a user met (found by hostile-input checks): each is one `error:` line, exit code 2, and nothing
 written."""
 
+import json
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -25,7 +28,20 @@ def files(tmp_path_factory):
     np.save(d / "neg.npy", np.array([1, -3, 5] * 100, np.int32))
     np.save(d / "tokens.npy", np.random.default_rng(0).integers(0, 128, 4000).astype(np.uint16))
     (d / "afile").write_text("x")
+    (d / "doc.txt").write_text("a document\n")
+    (d / "locked").mkdir()
+    (d / "locked" / ".lock").write_text("garbage")
     hf.import_hf(str(FIXTURES / "llama"), str(d / "run"))
+    # An HF directory whose config contradicts itself, and one whose weights are integers.
+    for name in ("hf_foo", "hf_int"):
+        shutil.copytree(FIXTURES / "llama", d / name)
+    config = json.loads((d / "hf_foo" / "config.json").read_text())
+    (d / "hf_foo" / "config.json").write_text(json.dumps({**config, "model_type": "foo"}))
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(d / "hf_int" / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"].astype(np.int32)
+    save_file(weights, d / "hf_int" / "model.safetensors", metadata={"format": "pt"})
     return d
 
 
@@ -63,6 +79,27 @@ CASES = {
     "more eval batches than held-out data": (
         ["eval.py", "--run-dir", "{d}/run", "--data", "{d}/tokens.npy", "--batches", "100000000"],
         "more than the held-out split holds"),
+    # Outputs that cannot be written: one error before any work (a read-only mount answers alike).
+    "export-hf to an unwritable place": (
+        ["ckpt.py", "export-hf", "{d}/run", "--out", "/proc/spmd-out/hf"], "--out '/proc/spmd-out/hf' cannot be written"),
+    "import-hf to an unwritable place": (
+        ["ckpt.py", "import-hf", str(FIXTURES / "llama"), "--run-dir", "/proc/spmd-out/run"],
+        "--run-dir '/proc/spmd-out/run' cannot be written"),
+    "reshard to an unwritable place": (
+        ["ckpt.py", "reshard", "{d}/run", "/proc/spmd-out/r", "--mesh", "fsdp=1", "--rules", "fsdp"],
+        "reshard destination '/proc/spmd-out/r' cannot be written"),
+    "prepare to an unwritable place": (
+        ["data.py", "prepare", "{d}/doc.txt", "--out", "/proc/spmd-out/data"], "--out '/proc/spmd-out/data' cannot be"),
+    "HF config whose model_type contradicts its architecture": (
+        ["ckpt.py", "import-hf", "{d}/hf_foo", "--run-dir", "{d}/r3"], "but model_type is 'foo'"),
+    "HF weights that are integers": (
+        ["ckpt.py", "import-hf", "{d}/hf_int", "--run-dir", "{d}/r4"], "tensor lm_head.weight holds I32"),
+    "plan for zero devices": (
+        ["plan.py", "--config", "tiny", "--devices", "0", "--memory-per-device", "1GiB"], "--devices must be at least 1"),
+    "a lock file that names no trainer": (
+        ["train.py", "--config", "tiny", "--run-dir", "{d}/locked"], "names no trainer"),
+    "host devices that are no number": (
+        ["dryrun.py", "--config", "tiny", "--host-devices", "many"], "a positive integer is needed"),
 }  # fmt: skip
 
 
@@ -80,6 +117,26 @@ def test_bad_input_is_one_error_line(files, case):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert expected.format(d=files) in lines[0]
     assert sorted(p.name for p in files.iterdir()) == before  # nothing written
+
+
+def test_a_bad_host_device_count_in_the_environment_names_it(tmp_path):
+    env = {**os.environ, "SPMD_HOST_DEVICES": "abc"}
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        "tiny",
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: argument --host-devices: a positive integer is needed (from --host-devices or $SPMD_HOST_DEVICES), "
+        "got 'abc' (see spmd-train --help)"
+    ]
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_cpu_host_with_libtpu_installed_gets_only_the_error_line(tmp_path):

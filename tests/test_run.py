@@ -52,3 +52,26 @@ def test_overwrite_says_what_it_deletes(tmp_path, devices, capsys):
     again = run.train(setup, tmp_path / "run", overwrite=True)
     err = capsys.readouterr().err
     assert again.step == 2 and f"--overwrite: deleting {tmp_path / 'run'}: checkpoints at steps 2, " in err
+
+
+def test_resuming_under_other_optimizer_settings_names_them(tmp_path, devices):
+    """Without clipping the optimizer state has another layout: the error says it is the optimizer's
+    settings, not the model's, and how to go on."""
+    cfg = load_config("tiny", [*OVERRIDES, "train.steps=2"])
+    run.train(assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2]), tmp_path / "run")
+    unclipped = load_config("tiny", [*OVERRIDES, "train.steps=4", "optimizer.grad_clip=0"])
+    with pytest.raises(UserError, match=r"other optimizer settings .*grad_clip on or off.*--init-from"):
+        run.train(assemble(unclipped, "fsdp=2", "fsdp", devices=devices[:2]), tmp_path / "run")
+
+
+def test_a_run_that_skipped_steps_says_so_at_the_end(tmp_path, devices, capsys):
+    """With train.max_skipped_steps = 0 a run may skip every step after the first (a learning rate
+    that overflows the parameters); it ends with a warning counting them, not a plain `done`."""
+    blowup = ["optimizer.learning_rate=1e38", "optimizer.warmup_steps=0", "optimizer.grad_clip=0"]
+    cfg = load_config("tiny", [*OVERRIDES, "train.steps=4", "train.max_skipped_steps=0", *blowup])
+    result = run.train(assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2]), tmp_path / "run")
+    assert result.metrics[-1]["skipped_steps"] == 3
+    assert (
+        "warning: 3 of 4 steps had a non-finite loss or gradient norm and were skipped"
+        in capsys.readouterr().err
+    )

@@ -160,16 +160,14 @@ def reshard(args) -> int:
     """Restore onto the new mesh and rules (each device reads only its shards), save under dst."""
     from spmd import checkpoint as ckpt
     from spmd.config import config_from_json
-    from spmd.errors import UserError
+    from spmd.errors import UserError, check_writable
     from spmd.setup import assemble
 
     directory, step = ckpt.locate(args.src)
     meta = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run", "consumed_samples"))
     setup = assemble(config_from_json(meta["run"]["config"]), args.mesh, args.rules, dcn_mesh=args.dcn_mesh)
     dst = pathlib.Path(args.dst)
-    blocked = next((p for p in (dst, *dst.parents) if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise UserError(f"reshard destination {str(dst)!r} cannot be a directory: {str(blocked)!r} is a file")
+    check_writable(dst, "reshard destination")
     if (dst / ckpt.SUBDIR / str(step)).exists():
         raise UserError(f"{dst / ckpt.SUBDIR / str(step)} already exists; pick another destination")
     state, meta = ckpt.restore(directory, step, setup.trainer.abstract_state)

@@ -13,9 +13,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def env_host_devices() -> int | None:
-    """$SPMD_HOST_DEVICES (set by spmd-launch for each process), or None."""
+    """$SPMD_HOST_DEVICES (set by spmd-launch for each process), or None when it is unset."""
     value = os.environ.get("SPMD_HOST_DEVICES")
-    return int(value) if value and value.isdigit() else None
+    return None if value is None else host_devices_count(value, "$SPMD_HOST_DEVICES")
+
+
+def host_devices_count(text: str, source: str = "") -> int:
+    """A device count as given on the command line or in the environment: a positive integer."""
+    if not text.strip().isdigit() or int(text) < 1:
+        where = f" (from {source})" if source else ""
+        raise argparse.ArgumentTypeError(f"a positive integer is needed{where}, got {text!r}")
+    return int(text)
 
 
 def add_host_devices(
@@ -23,11 +31,15 @@ def add_host_devices(
 ) -> None:
     """--host-devices; `from_env`: defaults to $SPMD_HOST_DEVICES (commands spmd-launch runs)."""
     if from_env:
+        # A string default goes through `type` too: a bad $SPMD_HOST_DEVICES is a usage error.
         p.add_argument(
-            "--host-devices", type=int, default=env_host_devices(), help=f"{help} [$SPMD_HOST_DEVICES]"
+            "--host-devices",
+            type=lambda text: host_devices_count(text, "--host-devices or $SPMD_HOST_DEVICES"),
+            default=os.environ.get("SPMD_HOST_DEVICES"),
+            help=f"{help} [$SPMD_HOST_DEVICES]",
         )
     else:
-        p.add_argument("--host-devices", type=int, help=help)
+        p.add_argument("--host-devices", type=host_devices_count, help=help)
 
 
 def add_run_flags(

@@ -99,6 +99,8 @@ def run(args) -> int:
         memory = memory or f"{topology.hbm_per_device(args.topology, device_list):.0f}B"
     elif args.devices is None or memory is None:
         raise UserError("give --devices and --memory-per-device (or --topology, which implies both)")
+    elif args.devices < 1:
+        raise UserError(f"--devices must be at least 1, got {args.devices}")
     elif args.host_devices is None:
         set_host_devices(args.devices)
     cfg = load_config(args.config, args.set)
