@@ -30,6 +30,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from spmd.config import CheckpointConfig
 from spmd.errors import UserError, stderr_parked
+from spmd.tokenizer import check_agrees
 
 SUBDIR = "checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -227,10 +228,25 @@ def _digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+# Read checkpoints whose metadata lacks its digest or the arrays' checksums (`--trust-unverified`):
+# every checkpoint this version writes has both, so one without them was damaged or made by hand.
+_trust_unverified = False
+
+
+def trust_unverified(on: bool = True) -> None:
+    """Let readers load checkpoints that carry no digest or checksums (the caller says so aloud)."""
+    global _trust_unverified
+    _trust_unverified = on
+
+
+def unverified(meta: dict) -> list[str]:
+    """What `meta` lacks of the integrity record every save writes: its digest, the checksums."""
+    return [k for k in (META_DIGEST, "checksums") if not meta.get(k)]
+
+
 def check_meta(directory: pathlib.Path, step: int, meta: dict, required=()) -> dict:
     """`meta` if it is what was saved for this step (its digest, its step number, the keys the
-    caller needs), else an error saying what is wrong. Metadata written before digests existed
-    is checked for its step and keys only."""
+    caller needs, the checksums of its arrays), else an error saying what is wrong."""
     where = f"checkpoint {directory}/{step}"
     if META_DIGEST in meta and meta[META_DIGEST] != _digest(meta):
         raise UserError(
@@ -246,16 +262,31 @@ def check_meta(directory: pathlib.Path, step: int, meta: dict, required=()) -> d
             raise UserError(f"{where}: its metadata has no valid {key!r}; it was not written by spmd-train")
     if "run" in required and "config" not in meta["run"]:
         raise UserError(f"{where}: its metadata has no run config; it was not written by spmd-train")
+    _refuse_unverified(where, meta)
     return meta
 
 
+def _refuse_unverified(where: str, meta: dict) -> None:
+    missing = unverified(meta)
+    if missing and not _trust_unverified:
+        raise UserError(
+            f"{where}: its metadata has no {' and no '.join(missing)}, so what it holds cannot be checked "
+            f"(every save writes them: it was damaged or edited); restore another step, or pass "
+            f"--trust-unverified to read it unchecked"
+        )
+
+
 def check_checksums(directory: pathlib.Path, step: int, tree, meta: dict) -> None:
-    """An error naming the first array whose values differ from what was saved. Checkpoints written
-    before checksums existed carry none and pass."""
-    saved = meta.get("checksums")
-    if not saved:
-        return
+    """An error naming the first array whose values differ from what was saved, or that has no
+    saved checksum (unless trust_unverified: check_meta has refused a checkpoint without them)."""
+    _refuse_unverified(f"checkpoint {directory}/{step}", meta)
+    saved = meta.get("checksums") or {}
     for key, value in checksums(tree).items():
+        if key not in saved and not _trust_unverified:
+            raise UserError(
+                f"checkpoint {directory}/{step}: {key} has no checksum in the metadata, so it cannot be "
+                f"checked; restore another step, or pass --trust-unverified to read it unchecked"
+            )
         if key in saved and saved[key] != value:
             raise UserError(
                 f"checkpoint {directory}/{step}: {key} does not match the checksum saved with it "
@@ -474,10 +505,11 @@ def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -
     return out["state"], out["meta"]
 
 
-def verify(directory: pathlib.Path, step: int) -> tuple[int, int]:
+def verify(directory: pathlib.Path, step: int) -> tuple[int, int, str]:
     """Read every array of one committed step onto one device and check it against the metadata:
-    (arrays, bytes) read, or an error naming the first array that is unreadable, misshapen, not
-    finite or different from its saved checksum."""
+    (arrays, bytes) read and what could not be checked ('' when everything was: only under
+    trust_unverified can it be more), or an error naming the first array that is unreadable,
+    misshapen, not finite or different from its saved checksum."""
     meta = read_meta(directory, step)
     saved_arrays(directory, step)  # readable metadata
     manager = _manager(directory, read_only=True)
@@ -504,7 +536,10 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int]:
             raise UserError(f"checkpoint {directory}/{step}: {_key(path)} holds NaN or Inf")
         n_bytes += x.nbytes
     check_checksums(directory, step, state, meta)
-    return len(jax.tree.leaves(state)), n_bytes
+    lacking = unverified(meta)
+    if _trust_unverified and not lacking:  # arrays the checksums leave out
+        lacking = [f"the checksum of {k}" for k in checksums(state) if k not in meta["checksums"]]
+    return len(jax.tree.leaves(state)), n_bytes, ", ".join(lacking)
 
 
 def step_meta(step: int, batches, train_cfg, run: dict, goodput: dict | None = None) -> dict:
@@ -530,6 +565,7 @@ class Start:
     step: int
     notes: list[str]
     goodput: dict = dataclasses.field(default_factory=dict)  # the restored step's ledger (spmd.goodput)
+    tokenizer: dict | None = None  # what the checkpoint it came from recorded of its tokenizer
 
 
 def resume_or_init(
@@ -539,11 +575,15 @@ def resume_or_init(
     resume_from: str | None = None,
     overwrite: bool = False,
     init_from: str | None = None,
+    tokenizer: dict | None = None,
+    allow_tokenizer_change: bool = False,
 ):
     """The run's starting state: restored from `resume_from` (a run dir or one step) when given,
     else from `run_dir`'s latest committed checkpoint (unless `overwrite`), else the parameters of
     `init_from` with a fresh optimizer at step 0 (a fine-tune; once it has checkpointed, a restart
-    resumes from its own checkpoints), else fresh from the seed.
+    resumes from its own checkpoints), else fresh from the seed. `tokenizer`: what the data's
+    tokenizer is (spmd.data.data_tokenizer_record); a checkpoint trained with another is an error
+    unless `allow_tokenizer_change`.
 
     Resuming also moves `batches` to the checkpoint's data position. Reads only, so that any error
     here leaves the run directory as it was.
@@ -564,14 +604,20 @@ def resume_or_init(
             )
     if source is None and init_from:
         directory, step = locate(init_from)
-        params, _ = restore_params(directory, step, trainer.plan.abstract_params)
+        params, meta = restore_params(directory, step, trainer.plan.abstract_params)
+        check_agrees(meta.get("run", {}).get("tokenizer"), tokenizer, f"checkpoint {directory}/{step}",
+                     allow_tokenizer_change)  # fmt: skip
         params = trainer.plan.from_canonical(params, trainer.plan.param_shardings)
         notes.append(f"parameters from {directory}/{step}; fresh optimizer state, starting at step 0")
-        return Start(trainer.state_from_params(params), 0, notes)
+        return Start(
+            trainer.state_from_params(params), 0, notes, tokenizer=meta.get("run", {}).get("tokenizer")
+        )
     if source is None:
         return Start(trainer.init_state(), 0, notes)
     directory, step = source
     meta = check_meta(directory, step, read_meta(directory, step), ("consumed_samples", "global_batch_size"))
+    check_agrees(meta.get("run", {}).get("tokenizer"), tokenizer, f"checkpoint {directory}/{step}",
+                 allow_tokenizer_change)  # fmt: skip
     if meta.get("params_only"):
         raise UserError(
             f"checkpoint {directory}/{step} holds parameters only (e.g. from spmd-ckpt import-hf), no optimizer "
@@ -605,7 +651,9 @@ def resume_or_init(
                 f"the data order after the restore differs from the original run's"
             )
     ledger = meta.get("goodput")
-    return Start(state, step, notes, ledger if isinstance(ledger, dict) else {})
+    return Start(
+        state, step, notes, ledger if isinstance(ledger, dict) else {}, meta.get("run", {}).get("tokenizer")
+    )
 
 
 def _cause(e: Exception) -> str:

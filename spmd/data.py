@@ -132,6 +132,18 @@ def prepared_dir(data_cfg) -> pathlib.Path | None:
     return path if path is not None and (path / MANIFEST).is_file() else None
 
 
+def data_tokenizer_record(data_cfg) -> dict | None:
+    """What the data's tokenizer is (spmd.tokenizer.record), or None where the data does not say:
+    raw token ids (.npy, .bin) carry no tokenizer."""
+    from spmd import tokenizer as tokenizer_lib
+
+    path = data_cfg.sources[0].path if data_cfg.sources else data_cfg.path
+    raw = data_cfg.format in ("npy", "bin") or (data_cfg.format == "auto" and path.endswith((".npy", ".bin")))
+    if prepared_dir(data_cfg) is None and raw:
+        return None
+    return tokenizer_lib.record(data_tokenizer(data_cfg))
+
+
 def data_tokenizer(data_cfg):
     """The tokenizer of the run's data: data.tokenizer when set, else the prepared directory's own
     (spmd-data prepare keeps a copy), else bytes; a data.tokenizer that is not the one the data
@@ -209,6 +221,11 @@ def load_tokens(
         if not path.exists():
             raise UserError(
                 f"data file {str(path)!r} not found; fix data.path, or leave it empty for the embedded corpus"
+            )
+        if path.is_dir() and any(path.glob("train-*.bin")):
+            raise UserError(
+                f"data directory {str(path)!r} holds token shards (train-*.bin) but no manifest.json: it is an "
+                f"unfinished or damaged spmd-data prepare output, not text; prepare it again"
             )
         fmt = data_cfg.format
         if fmt == "auto":

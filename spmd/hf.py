@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from spmd import family as family_lib
+from spmd import tokenizer as tokenizer_lib
 from spmd.errors import UserError, check_writable
 from spmd.family import HFTensor
 from spmd.sharding import path_str
@@ -422,6 +423,14 @@ def import_hf(
             "generation_config": generation,
         },
     }
+    # The tokenizer that ships with the weights is the run's: a fine-tune on data prepared with
+    # another is refused (spmd.tokenizer.check_agrees).
+    shipped = next((src / n for n in ("tokenizer.json", "tokenizer.model") if (src / n).is_file()), None)
+    if shipped is not None:
+        try:
+            run["tokenizer"] = tokenizer_lib.record(tokenizer_lib.load(str(shipped)))
+        except Exception:  # noqa: BLE001 — a file the tokenizers library cannot read: nothing recorded
+            pass
     meta = {
         "version": META_VERSION,
         "step": 0,

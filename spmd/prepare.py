@@ -21,6 +21,7 @@ options finds the same key in the manifest and does nothing.
 """
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -227,6 +228,7 @@ class _ShardWriter:
     def _open(self) -> None:
         name = f"{self.split}-{len(self.shards):05d}"
         self.bin = open(self.directory / f"{name}.bin", "wb")
+        self.bin_sha = hashlib.sha256()
         self.ends: list[int] = []
         self.shard = {"bin": f"{name}.bin", "idx": f"{name}.idx", "documents": 0, "tokens": 0}
         self.shards.append(self.shard)
@@ -236,7 +238,9 @@ class _ShardWriter:
         if self.shard["tokens"] and self.shard["tokens"] + len(ids) > self.limit:
             self._close()
             self._open()
-        self.bin.write(np.asarray(ids, self.dtype).tobytes())
+        data = np.asarray(ids, self.dtype).tobytes()
+        self.bin.write(data)
+        self.bin_sha.update(data)
         self.shard["tokens"] += len(ids)
         self.shard["documents"] += 1
         self.ends.append(self.shard["tokens"])
@@ -245,7 +249,12 @@ class _ShardWriter:
 
     def _close(self) -> None:
         self.bin.close()
-        np.asarray(self.ends, np.int64).tofile(self.directory / self.shard["idx"])
+        ends = np.asarray(self.ends, np.int64)
+        ends.tofile(self.directory / self.shard["idx"])
+        self.shard["sha256"] = {
+            "bin": self.bin_sha.hexdigest(),
+            "idx": hashlib.sha256(ends.tobytes()).hexdigest(),
+        }
 
     def close(self) -> dict:
         self._close()
@@ -272,40 +281,94 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
     tokenizer = tokenizer_lib.load(opts.tokenizer)
     key = inputs_key(files, tokenizer, opts)
     out_dir = pathlib.Path(out).expanduser()
-    if out_dir.exists():
-        existing = read_manifest(out_dir, check=False) if (out_dir / MANIFEST).is_file() else None
-        if existing is not None and existing.get("key") == key:
-            existing["unchanged"] = True
-            return existing
-        if not overwrite:
-            what = "a different prepared dataset" if existing is not None else "other files"
-            raise UserError(f"--out {out!r} already holds {what}; pass --overwrite or another --out")
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     parent = out_dir.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out!r} cannot be created: {e.strerror}") from None
-    tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        manifest = _write(files, tmp, tokenizer, opts, dtype, workers, progress)
-        if manifest["splits"]["train"]["documents"] == 0:
-            raise UserError(
-                f"inputs {', '.join(inputs)} hold no documents (or all fell in the held-out split)"
-            )
-        manifest["key"] = key
-        name = tokenizer_lib.run_file_name(tokenizer)
-        if name:  # the directory carries its tokenizer: spmd-train finds it there
-            shutil.copy2(tokenizer.file, tmp / name)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    with _out_lock(out_dir, out):
+        _remove_stale_temporaries(out_dir)
         if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
+            existing = read_manifest(out_dir, check=False) if (out_dir / MANIFEST).is_file() else None
+            if existing is not None and existing.get("key") == key:
+                existing["unchanged"] = True
+                return existing
+            if not overwrite:
+                what = "a different prepared dataset" if existing is not None else "other files"
+                raise UserError(f"--out {out!r} already holds {what}; pass --overwrite or another --out")
+        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            manifest = _write(files, tmp, tokenizer, opts, dtype, workers, progress)
+            if manifest["splits"]["train"]["documents"] == 0:
+                raise UserError(
+                    f"inputs {', '.join(inputs)} hold no documents (or all fell in the held-out split)"
+                )
+            manifest["key"] = key
+            name = tokenizer_lib.run_file_name(tokenizer)
+            if name:  # the directory carries its tokenizer: spmd-train finds it there
+                shutil.copy2(tokenizer.file, tmp / name)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            if out_dir.exists():
+                if not overwrite:  # it appeared meanwhile (a writer that took no lock)
+                    raise UserError(
+                        f"--out {out!r} was written by something else while preparing; nothing replaced"
+                    )
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _out_lock(out_dir: pathlib.Path, out: str):
+    """One prepare per --out at a time: `.<name>.lock` beside it holds the writer's pid (a lock
+    whose process is gone is taken over)."""
+    lock = out_dir.parent / f".{out_dir.name}.lock"
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            text = lock.read_text().strip() if lock.is_file() else ""
+            if text.isdigit() and _pid_alive(int(text)):
+                raise UserError(
+                    f"--out {out!r} is being written by another spmd-data prepare (pid {text}); wait for it "
+                    f"to finish (or, if no such process runs here, remove {lock})"
+                ) from None
+            lock.unlink(missing_ok=True)  # its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
+    else:
+        raise UserError(
+            f"could not take the lock {lock} for --out {out!r}; remove it if no prepare is running"
+        )
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _remove_stale_temporaries(out_dir: pathlib.Path) -> None:
+    """Temporary directories of prepares into the same --out that were killed."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, progress: bool) -> dict:
@@ -397,16 +460,62 @@ def read_manifest(directory: pathlib.Path, check: bool = True) -> dict:
             f"{path} is not a readable spmd-data manifest; prepare the directory again with spmd-data prepare"
         ) from None
     if check:
-        itemsize = np.dtype(manifest["dtype"]).itemsize
-        for split in ("train", "val"):
-            for shard in manifest["splits"][split]["shards"]:
-                for kind, want in (("bin", shard["tokens"] * itemsize), ("idx", shard["documents"] * 8)):
-                    f = pathlib.Path(directory) / shard[kind]
-                    size = f.stat().st_size if f.is_file() else None
-                    if size != want:
-                        raise UserError(
-                            f"prepared data {str(directory)!r}: {shard[kind]} is "
-                            f"{'missing' if size is None else f'{size:,} bytes'} but the manifest says "
-                            f"{want:,}; it was truncated or replaced: prepare the directory again"
-                        )
+        verify(directory, manifest, cached=True)
     return manifest
+
+
+def _file_sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(directory: pathlib.Path, manifest: dict, cached: bool = False) -> list[str]:
+    """Every shard of a prepared directory against its manifest: its size, and its sha256 where
+    the manifest has one (directories prepared before digests existed: the names of the files
+    that could not be checked are returned). An error names the first file that differs.
+    `cached`: a file whose (path, size, mtime) was verified before is not read again (a cache in
+    ~/.cache/spmd); what changed since, or a file touched by an edit, is hashed again."""
+    from spmd.data import cache_dir
+
+    directory = pathlib.Path(directory)
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    cache_path = cache_dir() / "verified-shards.json"
+    seen = {}
+    if cached and cache_path.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            seen = json.loads(cache_path.read_text())
+    unchecked, fresh = [], {}
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]["shards"]:
+            for kind, want in (("bin", shard["tokens"] * itemsize), ("idx", shard["documents"] * 8)):
+                f = directory / shard[kind]
+                stat = f.stat() if f.is_file() else None
+                if stat is None or stat.st_size != want:
+                    raise UserError(
+                        f"prepared data {str(directory)!r}: {shard[kind]} is "
+                        f"{'missing' if stat is None else f'{stat.st_size:,} bytes'} but the manifest says "
+                        f"{want:,}; it was truncated or replaced: prepare the directory again"
+                    )
+                digest = shard.get("sha256", {}).get(kind)
+                if digest is None:
+                    unchecked.append(shard[kind])
+                    continue
+                key = f"{f.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+                if seen.get(key) == digest:
+                    continue
+                if _file_sha256(f) != digest:
+                    raise UserError(
+                        f"prepared data {str(directory)!r}: {shard[kind]} does not match the sha256 in its "
+                        f"manifest: its bytes were changed or damaged; prepare the directory again"
+                    )
+                fresh[key] = digest
+    if cached and fresh:
+        with contextlib.suppress(OSError):
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**seen, **fresh}))
+            os.replace(tmp, cache_path)
+    return unchecked

@@ -22,7 +22,7 @@ import jax
 from spmd import checkpoint as ckpt
 from spmd import goodput, hostmem, loop, runlock
 from spmd.config import config_from_json
-from spmd.data import data_tokenizer
+from spmd.data import data_tokenizer, data_tokenizer_record
 from spmd.errors import UserError, log
 from spmd.hf import TOKENIZER_FILES
 from spmd.mesh import format_mesh
@@ -54,6 +54,7 @@ def train(
     overwrite: bool = False,
     profile: tuple[int, int] | None = None,
     started: float | None = None,
+    allow_tokenizer_change: bool = False,
 ) -> Result:
     """Train `setup` (spmd.setup.assemble, with an optimizer) in `run_dir` up to train.steps.
 
@@ -62,8 +63,9 @@ def train(
     `init_source`'s answer) with a fresh optimizer at step 0, else fresh from the seed.
     `overwrite`: clear run_dir first (its checkpoints too). `profile`: (A, B), a jax.profiler
     trace of steps A..B into run_dir/profile. `started`: when the process started (perf_counter),
-    for the goodput ledger's init time (default: now). Everything is validated before anything
-    is written; bad input raises UserError."""
+    for the goodput ledger's init time (default: now). `allow_tokenizer_change`: start from a
+    checkpoint trained with another tokenizer than the data's (else an error). Everything is
+    validated before anything is written; bad input raises UserError."""
     started = time.perf_counter() if started is None else started
     run_dir = pathlib.Path(run_dir)
     if init_from is not None and resume_from:
@@ -72,9 +74,13 @@ def train(
     is_main = jax.process_index() == 0
     batches = setup.batches()
     tokenizer = data_tokenizer(setup.cfg.data)
+    data_record = data_tokenizer_record(setup.cfg.data)
     start = ckpt.resume_or_init(
-        setup.trainer, batches, run_dir, resume_from, overwrite, init["record"]["path"] if init else None
-    )
+        setup.trainer, batches, run_dir, resume_from, overwrite, init["record"]["path"] if init else None,
+        data_record, allow_tokenizer_change,
+    )  # fmt: skip
+    # Raw token ids say nothing of their tokenizer: the run keeps the one it started from.
+    recorded = data_record or start.tokenizer
     if is_main:
         check_backends(setup.cfg.metrics)
     # Everything above validated the input; from here on we write, holding the run dir's lock.
@@ -82,7 +88,7 @@ def train(
     try:
         lost = prepare_run_dir(run_dir, start.step, overwrite, is_main)
         resolved = describe_run(
-            setup, batches, run_dir, start.notes, is_main, init["record"] if init else None, tokenizer
+            setup, batches, run_dir, start.notes, is_main, init["record"] if init else None, recorded
         )
         if is_main:
             keep_tokenizer(tokenizer, run_dir)
@@ -188,10 +194,11 @@ def what_is_in(run_dir: pathlib.Path) -> str:
 
 def describe_run(
     setup, batches, run_dir: pathlib.Path, notes: list[str], is_main: bool, init_from: dict | None = None,
-    tokenizer=None,
+    tokenizer: dict | None = None,
 ) -> dict:  # fmt: skip
     """Write config.json (the fully resolved run) and log what will run; returns the resolved run.
-    `init_from`: where --init-from took the parameters (kept with every checkpoint's metadata)."""
+    `init_from`: where --init-from took the parameters (kept with every checkpoint's metadata).
+    `tokenizer`: what the run records of its tokenizer (spmd.tokenizer.record)."""
     cfg, plan = setup.cfg, setup.plan
     T, B = cfg.train.seq_len, cfg.train.global_batch_size
     figures = plan.family.figures(cfg.model, T)
@@ -206,18 +213,7 @@ def describe_run(
         "peak_flops": {"value": peak, "source": peak_how},
         "data": batches.description,
         **({"init_from": init_from} if init_from else {}),
-        **(
-            {
-                "tokenizer": {
-                    "name": tokenizer.name,
-                    "sha256": tokenizer.sha256,
-                    "vocab_size": tokenizer.vocab_size,
-                    "eos_id": tokenizer.eos_id,
-                }
-            }
-            if tokenizer is not None
-            else {}
-        ),  # fmt: skip
+        **({"tokenizer": tokenizer} if tokenizer is not None else {}),
     }
     if not is_main:
         return resolved

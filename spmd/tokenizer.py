@@ -161,3 +161,23 @@ def for_run(run_dir: pathlib.Path, cfg, recorded: dict | None = None):
             f"taken for a byte-level one; put the tokenizer file it was trained with in the run directory"
         )
     return ByteTokenizer()
+
+
+def record(tokenizer) -> dict:
+    """What a run records of its tokenizer (config.json and every checkpoint's metadata)."""
+    return {"name": tokenizer.name, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id}  # fmt: skip
+
+
+def check_agrees(recorded: dict | None, data: dict | None, where: str, allow: bool = False) -> None:
+    """The data's tokenizer is the one a checkpoint was trained with (token ids mean the same
+    text), or an error naming both. Either side unknown (raw .npy/.bin ids, a checkpoint that
+    recorded none) or `allow` (a deliberate swap): nothing to check."""
+    if allow or not recorded or not data or recorded.get("sha256") == data.get("sha256"):
+        return
+    raise UserError(
+        f"{where} was trained with the tokenizer {recorded.get('name')} (sha256 {str(recorded.get('sha256'))[:12]}), "
+        f"but the data's is {data.get('name')} (sha256 {str(data.get('sha256'))[:12]}): its token ids mean other "
+        f"text. Use data prepared with the run's tokenizer (data.path as the run had it), or pass "
+        f"--allow-tokenizer-change for a deliberate swap"
+    )

@@ -263,10 +263,51 @@ def test_edited_or_renamed_metadata_is_refused(trained, tmp_path):
     missing = prepared("missing")
     body = {k: v for k, v in meta.items() if k not in ("consumed_samples", ckpt.META_DIGEST)}
     (missing / "10" / meta_file).write_text(json.dumps(body))
-    with pytest.raises(UserError, match="no valid 'consumed_samples'"):
+    with pytest.raises(
+        UserError, match="its metadata has no meta_sha256, so what it holds cannot be checked"
+    ):
         ckpt.resume_or_init(setup.trainer, setup.batches(), missing.parent)
-    line = one_error_line(spmd_ckpt("inspect", str(missing)))
+    ckpt.trust_unverified()
+    try:
+        with pytest.raises(UserError, match="no valid 'consumed_samples'"):
+            ckpt.resume_or_init(setup.trainer, setup.batches(), missing.parent)
+    finally:
+        ckpt.trust_unverified(False)
+    line = one_error_line(spmd_ckpt("inspect", str(missing), "--trust-unverified"))
     assert "no valid 'consumed_samples'" in line
+
+
+def test_metadata_without_its_digest_or_checksums_is_refused_unless_trusted(trained, tmp_path):
+    """Every save writes a digest and per-array checksums; metadata without them (stripped, or cut
+    down to {"version": 1}) is refused by every reader, and --trust-unverified reads it saying what
+    went unchecked."""
+    import json
+
+    from spmd.errors import UserError
+    from spmd.setup import assemble
+
+    setup = assemble("tiny", "fsdp=8", "fsdp")
+    root = tmp_path / "run" / ckpt.SUBDIR
+    shutil.copytree(trained / ckpt.SUBDIR / "10", root / "10")
+    meta_path = root / "10" / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(
+        json.dumps({k: v for k, v in meta.items() if k not in ("checksums", ckpt.META_DIGEST)})
+    )
+    for read in (
+        lambda: ckpt.resume_or_init(setup.trainer, setup.batches(), root.parent),
+        lambda: ckpt.restore_params(root, 10, setup.plan.abstract_params),
+        lambda: ckpt.verify(root, 10),
+    ):
+        with pytest.raises(UserError, match="has no meta_sha256 and no checksums.*--trust-unverified"):
+            read()
+    checked = spmd_ckpt("verify", str(root.parent))
+    assert checked.returncode == 2 and "--trust-unverified" in one_error_line(checked)
+    trusted = spmd_ckpt("verify", str(root.parent), "--trust-unverified")
+    assert trusted.returncode == 0, trusted.stderr
+    assert trusted.stdout.startswith(f"unchecked: {root}/10: ") and "meta_sha256, checksums" in trusted.stdout
+    meta_path.write_text(json.dumps({"version": 1}))
+    assert spmd_ckpt("verify", str(root.parent)).returncode == 2
 
 
 def test_commands_on_a_cpu_host_print_nothing_of_libtpu(tmp_path):

@@ -334,3 +334,113 @@ def test_data_without_held_out_documents_trains_without_evaluation(corpus, tmp_p
         make_batches(cfg, None)
     batches = make_batches(apply_overrides(cfg, ["train.eval_every=0"]), None)
     assert batches.n_train_windows > 0 and batches.n_val_windows == 0
+
+
+def test_a_checkpoint_meets_data_of_another_tokenizer_only_when_asked(corpus, tmp_path, tiny_cfg, devices):
+    """A run trained on BPE data, resumed on bytes (data.path dropped), started from with
+    --init-from, or evaluated on bytes data: each an error naming both tokenizers, unless the swap
+    is asked for. Raw token ids (.npy) say nothing of their tokenizer and pass, and the run keeps
+    the tokenizer it started from."""
+    from test_cli import ROOT
+
+    from spmd import run
+    from spmd.config import apply_overrides
+    from spmd.setup import assemble
+
+    bpe = _prepared(corpus, tmp_path, "bpe", [d * 4 for d in DOCS] * 8)
+    common = ["train.seq_len=16", "model.vocab_size=512", "train.eval_every=0", "train.log_every=2",
+              "checkpoint.async_save=false"]  # fmt: skip
+    cfg = apply_overrides(tiny_cfg, [*common, f"data.path={bpe}", "train.steps=2"])
+    run.train(assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2]), tmp_path / "run")
+
+    on_bytes = apply_overrides(tiny_cfg, [*common, "train.steps=4"])
+    setup = assemble(on_bytes, "fsdp=2", "fsdp", devices=devices[:2])
+    with pytest.raises(
+        UserError, match=r"was trained with the tokenizer .*tokenizer.json .*the data's is bytes"
+    ):
+        run.train(setup, tmp_path / "run")
+    with pytest.raises(UserError, match="--allow-tokenizer-change"):
+        run.train(setup, tmp_path / "fine-tune", init_from=str(tmp_path / "run"))
+
+    np.save(tmp_path / "ids.npy", np.arange(4000, dtype=np.uint16) % 300)
+    raw = apply_overrides(tiny_cfg, [*common, f"data.path={tmp_path / 'ids.npy'}", "train.steps=2"])
+    done = run.train(
+        assemble(raw, "fsdp=2", "fsdp", devices=devices[:2]), tmp_path / "ft", init_from=str(tmp_path / "run")
+    )
+    assert done.step == 2
+    kept = json.loads((tmp_path / "ft" / "config.json").read_text())["tokenizer"]
+    assert kept == json.loads((tmp_path / "run" / "config.json").read_text())["tokenizer"]
+
+    bytes_data = tmp_path / "bytes"
+    prepare.prepare(
+        [str(corpus / "txt")] * 1, str(bytes_data), prepare.Options(val_fraction=0.5), progress=False
+    )
+    evaluate = [sys.executable, str(ROOT / "scripts" / "eval.py"), "--run-dir", str(tmp_path / "ft"), "--data",
+                str(bytes_data), "--host-devices", "1", "--mesh", "fsdp=1", "--batches", "1"]  # fmt: skip
+    refused = subprocess.run(evaluate, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert refused.returncode == 2 and "the data's is bytes" in refused.stderr, refused.stderr
+    allowed = subprocess.run([*evaluate, "--allow-tokenizer-change"], capture_output=True, text=True, timeout=300,
+                             stdin=subprocess.DEVNULL)  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    assert run.train(setup, tmp_path / "run", allow_tokenizer_change=True).step == 4
+
+
+def test_prepared_shards_are_verified_like_checkpoints(corpus, tmp_path, tiny_cfg):
+    """The manifest holds each shard's sha256: a flipped byte in a .bin or .idx is an error when
+    the data is opened and under `spmd-data verify`; a directory of shards without its manifest is
+    refused rather than read as text."""
+    from spmd.config import apply_overrides
+    from spmd.data import make_batches
+
+    data = _prepared(corpus, tmp_path, "bpe", [d * 4 for d in DOCS] * 8)
+    cfg = apply_overrides(tiny_cfg, [f"data.path={data}", "train.seq_len=16", "model.vocab_size=512"])
+    assert make_batches(cfg, None).n_train_windows > 0
+    manifest = prepare.read_manifest(data)
+    assert all(set(s["sha256"]) == {"bin", "idx"} for s in manifest["splits"]["train"]["shards"])
+    for name in ("train-00000.bin", "train-00000.idx"):
+        original = (data / name).read_bytes()
+        flipped = bytearray(original)
+        flipped[5] ^= 1
+        (data / name).write_bytes(bytes(flipped))
+        with pytest.raises(UserError, match=f"{name} does not match the sha256 in its manifest"):
+            make_batches(cfg, None)
+        with pytest.raises(UserError, match=f"{name} does not match"):
+            prepare.verify(data, manifest)
+        (data / name).write_bytes(original)
+    assert prepare.verify(data, manifest) == []
+    (data / prepare.MANIFEST).unlink()
+    with pytest.raises(UserError, match="holds token shards .* but no manifest.json"):
+        make_batches(cfg, None)
+
+
+def test_one_prepare_per_out_and_stale_temporaries_removed(corpus, tmp_path):
+    """A second prepare into an --out that a live prepare holds is refused; a killed prepare's
+    temporary directory is removed by the next one; the lock is gone afterwards."""
+    out = tmp_path / "data"
+    lock = tmp_path / ".data.lock"
+    lock.write_text(str(os.getpid()))  # a live process holds it
+    with pytest.raises(UserError, match=r"is being written by another spmd-data prepare \(pid \d+\)"):
+        prepare.prepare([str(corpus / "txt")], str(out), prepare.Options(), progress=False)
+    assert not out.exists()
+    lock.write_text("999999999")  # a process that is gone
+    stale = tmp_path / ".data.tmp-999999999"
+    stale.mkdir()
+    (stale / "train-00000.bin").write_bytes(b"x")
+    prepare.prepare([str(corpus / "txt")], str(out), prepare.Options(), progress=False)
+    assert prepare.read_manifest(out)["documents"] == len(DOCS)
+    assert not stale.exists() and not lock.exists()
+
+
+def test_spmd_data_verify_says_what_it_checked(corpus, tmp_path):
+    from test_cli import ROOT
+
+    data = _prepared(corpus, tmp_path, "bpe", DOCS * 4)
+    cmd = [sys.executable, str(ROOT / "scripts" / "data.py"), "verify", str(data)]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith(f"ok: {data}: 2 shards"), ok.stderr
+    manifest = json.loads((data / prepare.MANIFEST).read_text())
+    for shard in manifest["splits"]["train"]["shards"] + manifest["splits"]["val"]["shards"]:
+        del shard["sha256"]  # as prepared before digests existed
+    (data / prepare.MANIFEST).write_text(json.dumps(manifest))
+    old = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert old.returncode == 0 and "their bytes were not checked" in old.stdout

@@ -5,7 +5,7 @@ import math
 import pathlib
 import sys
 
-from spmd.cli.common import Parser, add_host_devices, run_main
+from spmd.cli.common import Parser, add_host_devices, add_trust_flag, run_main
 from spmd.errors import log
 
 
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rules", default="fsdp")
     from spmd.distributed import add_flags
 
+    for q in (i, v, r, e):
+        add_trust_flag(q)
     for q in (v, r):
         add_host_devices(q)
     for q in (h, e):  # these two run under spmd-launch too: each process reads and writes its shards
@@ -121,6 +123,8 @@ def inspect(args) -> int:
         f"rules {run.get('rules', {}).get('name')}, {run.get('devices', {}).get('count')} devices in "
         f"{run.get('devices', {}).get('processes')} process(es)"
     )
+    if ckpt.unverified(meta):
+        print(f"  integrity: UNVERIFIED, its metadata has no {' and no '.join(ckpt.unverified(meta))}")
     if run.get("hf"):
         print(f"  imported from {run['hf']['source']} ({run['hf']['architecture']}): parameters only")
     elif run.get("init_from"):
@@ -151,8 +155,12 @@ def verify(args) -> int:
     if not steps:
         raise UserError(f"no committed checkpoint under {args.path!r}")
     for step in steps:
-        n_arrays, n_bytes = ckpt.verify(directory, step)
-        print(f"ok: {directory}/{step}: {n_arrays} arrays, {n_bytes:,} bytes read and checked")
+        n_arrays, n_bytes, unchecked = ckpt.verify(directory, step)
+        if unchecked:
+            print(f"unchecked: {directory}/{step}: {n_arrays} arrays, {n_bytes:,} bytes read and finite, but "
+                  f"{unchecked} could not be checked against its metadata (--trust-unverified)")  # fmt: skip
+        else:
+            print(f"ok: {directory}/{step}: {n_arrays} arrays, {n_bytes:,} bytes read and checked")
     return 0
 
 

@@ -73,6 +73,16 @@ def add_run_flags(
     )
 
 
+TRUST_UNVERIFIED_HELP = (
+    "read a checkpoint whose metadata lacks its digest or checksums (every save writes them: one "
+    "without was damaged or edited); what it holds is then not checked"
+)
+
+
+def add_trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-unverified", action="store_true", help=TRUST_UNVERIFIED_HELP)
+
+
 def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and onto which mesh (spmd-eval, spmd-sample)."""
     p.add_argument(
@@ -88,6 +98,7 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a key of the run's config, e.g. --set model.dtype=float32 (repeatable)",
     )
+    add_trust_flag(p)
     add_host_devices(p)
 
 
@@ -151,6 +162,10 @@ def run_main(parser: argparse.ArgumentParser, body, argv=None) -> int:
     from spmd.errors import UserError, report
 
     try:
+        if getattr(args, "trust_unverified", False):
+            from spmd import checkpoint
+
+            checkpoint.trust_unverified()
         if getattr(args, "host_devices", None) is not None:
             set_host_devices(args.host_devices)
         else:

@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument(
         "--errors", default="strict", choices=("strict", "replace"), help="non-UTF-8 text [strict]"
     )
+    ver = sub.add_parser(
+        "verify",
+        help="check every shard of a prepared directory against its manifest (sizes and sha256)",
+        description="Read every shard of a prepared directory and check it against manifest.json: "
+        "sizes, and the sha256 of each .bin and .idx (directories prepared before digests existed: "
+        "sizes only, and says so).",
+    )
+    ver.add_argument("directory", help="a directory spmd-data prepare wrote")
     return p  # fmt: skip
 
 
@@ -79,6 +87,22 @@ def run(args) -> int:
         opts = prepare.Options(text_field=args.text_field, errors=args.errors)
         done = prepare.train_tokenizer(args.inputs, args.out, args.vocab_size, opts)
         log(f"wrote {done['out']}: {done['vocab_size']:,} tokens, trained on {done['documents']:,} documents")
+        return 0
+
+    if args.command == "verify":
+        import pathlib
+
+        directory = pathlib.Path(args.directory)
+        if not (directory / prepare.MANIFEST).is_file():
+            raise UserError(f"{str(directory)!r} has no {prepare.MANIFEST}: it is not a prepared directory")
+        manifest = prepare.read_manifest(directory, check=False)
+        unchecked = prepare.verify(directory, manifest)
+        shards = sum(len(manifest["splits"][s]["shards"]) for s in ("train", "val"))
+        if unchecked:
+            print(f"sizes ok: {directory}: {shards} shards; no sha256 in the manifest for {len(unchecked)} files "
+                  f"(prepared before digests existed): their bytes were not checked; prepare again to add them")  # fmt: skip
+        else:
+            print(f"ok: {directory}: {shards} shards, {manifest['tokens']:,} tokens read and checked")
         return 0
 
     if args.workers < 1 or args.shard_tokens < 1:

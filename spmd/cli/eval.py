@@ -17,6 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batches", type=int, help="number of held-out batches [train.eval_batches, as logged in training]"
     )
+    p.add_argument(
+        "--allow-tokenizer-change",
+        action="store_true",
+        help="evaluate on --data prepared with another tokenizer than the run's (otherwise an error)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -39,6 +44,12 @@ def run(args, may_relaunch: bool = False) -> int:
         raise UserError(f"--batches must be positive, got {args.batches}")
     overrides = list(args.set) + ([f"data.path={args.data}", "data.sources=[]"] if args.data else [])
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
+    if args.data:
+        from spmd.data import data_tokenizer_record
+        from spmd.tokenizer import check_agrees
+
+        check_agrees(loaded.meta.get("run", {}).get("tokenizer"), data_tokenizer_record(loaded.cfg.data),
+                     f"checkpoint {args.run_dir} (step {loaded.step})", args.allow_tokenizer_change)  # fmt: skip
     batches = loaded.setup.batches(held_out=True)
     distinct = max(1, batches.n_val_windows // batches.global_batch_size)
     if args.batches is not None and args.batches > distinct:

@@ -9,7 +9,7 @@ import pathlib
 import sys
 import time
 
-from spmd.cli.common import Parser, add_host_devices, run_main
+from spmd.cli.common import Parser, add_host_devices, add_trust_flag, run_main
 
 STARTED = time.perf_counter()  # the goodput ledger's `init` starts here (the process's start, near enough)
 
@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         "one is always saved at the end and on SIGTERM/SIGINT)",
     )
     add_flags(p)
+    add_trust_flag(p)
+    add(
+        "--allow-tokenizer-change",
+        action="store_true",
+        help="start from a checkpoint trained with another tokenizer than the data's (a deliberate swap, "
+        "e.g. with a remapped embedding); otherwise an error",
+    )
     add(
         "--resume-from",
         metavar="PATH",
@@ -145,6 +152,7 @@ def run(args, may_relaunch: bool = False) -> int:
     run_dir = pathlib.Path(args.run_dir or f"runs/{setup.cfg.name}")
     run_lib.train(
         setup, run_dir, resume_from=args.resume_from, init_from=init, overwrite=args.overwrite, profile=profile,
+        allow_tokenizer_change=args.allow_tokenizer_change,
         started=STARTED,
     )  # fmt: skip
     return 0
