@@ -30,10 +30,7 @@ import jax
 import numpy as np
 
 from spmd.errors import UserError
-
-
-def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("SPMD_CACHE_DIR", pathlib.Path.home() / ".cache" / "spmd"))
+from spmd.paths import cache_dir
 
 
 def _atomic_save(path: pathlib.Path, array: np.ndarray) -> None:

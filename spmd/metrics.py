@@ -15,9 +15,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from spmd.data import cache_dir
 from spmd.errors import UserError, log
 from spmd.hardware import chip_for
+from spmd.paths import cache_dir
 
 MATMUL_N = 2048
 

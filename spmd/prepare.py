@@ -478,7 +478,7 @@ def verify(directory: pathlib.Path, manifest: dict, cached: bool = False) -> lis
     that could not be checked are returned). An error names the first file that differs.
     `cached`: a file whose (path, size, mtime) was verified before is not read again (a cache in
     ~/.cache/spmd); what changed since, or a file touched by an edit, is hashed again."""
-    from spmd.data import cache_dir
+    from spmd.paths import cache_dir
 
     directory = pathlib.Path(directory)
     itemsize = np.dtype(manifest["dtype"]).itemsize
