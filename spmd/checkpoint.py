@@ -15,6 +15,7 @@ position is `consumed_samples` (the batch at step s starts at sample
 `consumed_samples + (s - step) * global_batch_size` of the seed's shuffled order).
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -85,8 +86,7 @@ def _manager(
     save time (and CPU that an async save takes from training); readers take either."""
     cfg = cfg or CheckpointConfig()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep_last,
-        keep_period=cfg.keep_every or None,
+        max_to_keep=None,  # retention is Checkpointer.prune's: it knows spikes and eval losses
         enable_async_checkpointing=cfg.async_save,
         cleanup_tmp_directories=not read_only,
         create=not read_only,
@@ -305,6 +305,43 @@ class Checkpointer:
         self.last_saved: int | None = self.manager.latest_step()
         self.pending: int | None = None  # the step of the save in flight (or last started)
         self.failed: SaveError | None = None
+        # What retention needs of the committed steps: each one's eval loss, and the run's first
+        # step with a spike or a non-finite loss (the newest checkpoint before it is kept).
+        self.eval_losses: dict[int, float] = {}
+        self.first_anomaly: int | None = None
+        for step in committed_steps(self.directory):
+            with contextlib.suppress(UserError):
+                self._note(step, read_meta(self.directory, step))
+
+    def _note(self, step: int, meta: dict) -> None:
+        """What retention needs of one checkpoint's metadata."""
+        if isinstance(meta.get("eval_loss"), (int, float)):
+            self.eval_losses[step] = float(meta["eval_loss"])
+        anomaly = (meta.get("spikes") or {}).get("first_anomaly")
+        if isinstance(anomaly, int):
+            self.first_anomaly = anomaly if self.first_anomaly is None else min(self.first_anomaly, anomaly)
+
+    def keep(self, steps: list[int]) -> set[int]:
+        """Which of the committed `steps` retention keeps: the newest keep_last, every keep_every-th,
+        the keep_best lowest eval losses, and the newest step before the first anomaly."""
+        cfg = self.cfg
+        kept = set(steps[-cfg.keep_last :])
+        if cfg.keep_every:
+            kept |= {s for s in steps if s % cfg.keep_every == 0}
+        if cfg.keep_best:
+            evaluated = sorted((self.eval_losses[s], s) for s in steps if s in self.eval_losses)
+            kept |= {s for _, s in evaluated[: cfg.keep_best]}
+        if self.first_anomaly is not None:
+            before = [s for s in steps if s < self.first_anomaly]
+            kept |= set(before[-1:])
+        return kept
+
+    def prune(self, in_flight: int | None = None) -> None:
+        """Delete the committed checkpoints retention does not keep (every process calls it)."""
+        steps = [s for s in committed_steps(self.directory) if s != in_flight]
+        for step in sorted(set(steps) - self.keep(steps)):
+            self.manager.delete(step)
+            self.eval_losses.pop(step, None)
 
     def check(self) -> None:
         """Raise SaveError if a background save has failed (returns at once otherwise)."""
@@ -334,6 +371,7 @@ class Checkpointer:
             return
         meta = {**meta, "checksums": checksums(state)}
         meta[META_DIGEST] = _digest(meta)
+        self._note(step, meta)
         if self.cfg.async_save and jax.devices()[0].platform == "cpu":
             # On an accelerator Orbax copies the arrays to host memory before save() returns. On CPU
             # they already are host memory, so it writes from the live buffers; the next step donates
@@ -350,6 +388,7 @@ class Checkpointer:
             earlier = previous is not None and previous not in committed_steps(self.directory)
             self._fail(previous if earlier else step, e)
         self.last_saved = step
+        self.prune(in_flight=step if self.cfg.async_save else None)
 
     def wait(self) -> None:
         if self.failed is not None:
@@ -365,6 +404,7 @@ class Checkpointer:
         command exits next (as _read_state does for a failed read)."""
         if self.failed is None:
             self.wait()
+            self.prune()
             self.manager.close()
 
 
@@ -542,9 +582,12 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int, str]:
     return len(jax.tree.leaves(state)), n_bytes, ", ".join(lacking)
 
 
-def step_meta(step: int, batches, train_cfg, run: dict, goodput: dict | None = None) -> dict:
-    """The metadata saved with a step: the data position, the resolved run that wrote it, and the
-    goodput ledger so far (spmd.goodput: seconds per bucket, carried over restarts)."""
+def step_meta(
+    step: int, batches, train_cfg, run: dict, goodput: dict | None = None, spikes: dict | None = None
+) -> dict:
+    """The metadata saved with a step: the data position, the resolved run that wrote it, the
+    goodput ledger so far (spmd.goodput: seconds per bucket, carried over restarts) and the loss
+    history the spike test judges by (spmd.spikes)."""
     return {
         "version": META_VERSION,
         "step": step,
@@ -554,6 +597,7 @@ def step_meta(step: int, batches, train_cfg, run: dict, goodput: dict | None = N
         "seed": train_cfg.seed,
         "run": run,
         **({"goodput": goodput} if goodput is not None else {}),
+        **({"spikes": spikes} if spikes is not None else {}),
     }
 
 
@@ -566,6 +610,7 @@ class Start:
     notes: list[str]
     goodput: dict = dataclasses.field(default_factory=dict)  # the restored step's ledger (spmd.goodput)
     tokenizer: dict | None = None  # what the checkpoint it came from recorded of its tokenizer
+    spikes: dict = dataclasses.field(default_factory=dict)  # the restored step's loss history (spmd.spikes)
 
 
 def resume_or_init(
@@ -652,8 +697,9 @@ def resume_or_init(
             )
     ledger = meta.get("goodput")
     return Start(
-        state, step, notes, ledger if isinstance(ledger, dict) else {}, meta.get("run", {}).get("tokenizer")
-    )
+        state, step, notes, ledger if isinstance(ledger, dict) else {}, meta.get("run", {}).get("tokenizer"),
+        meta.get("spikes") if isinstance(meta.get("spikes"), dict) else {},
+    )  # fmt: skip
 
 
 def _cause(e: Exception) -> str:

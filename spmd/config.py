@@ -24,6 +24,7 @@ from spmd.optimizer import OptimizerConfig
 from spmd.pipeline import PipelineConfig
 from spmd.policy import CpuConfig
 from spmd.rules import CONTEXT_PARALLEL, LOAD_BALANCE
+from spmd.spikes import ON_SPIKE
 
 CONFIG_DIR = presets_lib.folder("configs")
 
@@ -44,6 +45,13 @@ class TrainConfig:
     step_timeout: float = 0.0  # hang watchdog (spmd.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
+    # loss spikes (spmd.spikes): a loss this many robust spreads above the median of the last
+    # spike_window losses; 0: no test
+    spike_factor: float = 6.0
+    spike_window: int = 64
+    on_spike: str = "stop"  # stop | skip | rollback
+    spike_skip_batches: int = 0  # rollback: batches skipped past the ones that led to the spike
+    max_rollbacks: int = 3  # rollback: a run stops at the next spike after this many
 
     def check(self) -> list[str]:
         problems = []
@@ -57,6 +65,14 @@ class TrainConfig:
             )
         if self.eval_every < 0:
             problems.append(f"train.eval_every must be >= 0, got {self.eval_every}")
+        if not 0 <= self.spike_factor < float("inf"):
+            problems.append(f"train.spike_factor must be >= 0 (0: no spike test), got {self.spike_factor}")
+        if self.spike_window < 2:
+            problems.append(f"train.spike_window must be at least 2, got {self.spike_window}")
+        if self.on_spike not in ON_SPIKE:
+            problems.append(f"train.on_spike must be one of {', '.join(ON_SPIKE)}, got {self.on_spike!r}")
+        if self.spike_skip_batches < 0 or self.max_rollbacks < 0:
+            problems.append("train.spike_skip_batches and train.max_rollbacks must be >= 0")
         if not 0 <= self.z_loss < float("inf"):
             problems.append(f"train.z_loss must be a finite number >= 0, got {self.z_loss}")
         if self.step_timeout != self.step_timeout or self.step_timeout == float("inf"):
@@ -157,13 +173,15 @@ class DataConfig:
 class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end and on preemption)
     keep_last: int = 3  # keep the newest K checkpoints ...
-    keep_every: int = 0  # ... plus every step divisible by M (0: none)
+    keep_every: int = 0  # ... plus every step divisible by M (0: none) ...
+    keep_best: int = 1  # ... plus the N with the lowest eval loss (0: none) ...
+    # ... and always the newest one from before the run's first spike or non-finite step
     async_save: bool = True  # write in the background while training continues
 
     def check(self) -> list[str]:
         problems = []
-        if self.every < 0 or self.keep_every < 0:
-            problems.append("checkpoint.every and checkpoint.keep_every must be >= 0")
+        if self.every < 0 or self.keep_every < 0 or self.keep_best < 0:
+            problems.append("checkpoint.every, checkpoint.keep_every and checkpoint.keep_best must be >= 0")
         if self.keep_last < 1:
             problems.append(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
         return problems

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from spmd.errors import UserError
+from spmd.spikes import Rollback
 
 
 @dataclasses.dataclass
@@ -59,6 +60,9 @@ class Hook(abc.ABC):
     def poll(self) -> None:
         """Called after every step, due or not: a cheap check that may raise to stop the run."""
 
+    def rewind(self, step: int, train_seconds: float) -> None:
+        """The run went back to `step` (a rollback after a loss spike)."""
+
     def close(self) -> None:
         """Called once when the loop ends, also when it fails."""
 
@@ -69,16 +73,20 @@ class Diverged(UserError):
 
 class TrainLoop:
     def __init__(self, step_fn, batches, hooks: list[Hook], stop=None, max_skipped: int = 0, ledger=None,
-                 watchdog=None):  # fmt: skip
+                 watchdog=None, guard=None, on_rollback=None):  # fmt: skip
         """`step_fn(state, batch) -> (state, metrics)`; `stop()` is asked after every step whether to
         stop early (e.g. Preemption.requested). When the metrics carry `skipped` (the step left the
         state unchanged: non-finite loss or gradients), `max_skipped` consecutive ones (0: no limit)
         stop the run with Diverged, before any hook sees the last of them. `ledger`
         (spmd.goodput.Ledger) gets the loop's time by bucket; `watchdog` (spmd.watchdog.Watchdog)
-        hears of every finished step and hook."""
+        hears of every finished step and hook. `guard` (spmd.spikes.SpikeGuard) judges each step's
+        loss before any hook sees it; under on_spike = skip `step_fn` takes its threshold as a third
+        argument, and under rollback `on_rollback(Rollback) -> (state, step)` gives the state and
+        step to go on from."""
         self.step_fn, self.batches, self.hooks, self.stop = step_fn, batches, hooks, stop
         self.max_skipped = max_skipped
         self.ledger, self.watchdog = ledger, watchdog
+        self.guard, self.on_rollback = guard, on_rollback
         self.skipped = 0  # skipped steps in this run
         self.streak: list[int] = []  # the current run of consecutive skipped steps
         self._mark = time.perf_counter()
@@ -94,19 +102,29 @@ class TrainLoop:
         if self.watchdog is not None:
             self.watchdog.beat(step)
 
-    def _count(self, step: int, skipped) -> None:
+    def _count(self, step: int, metrics: dict) -> None:
         self._beat(step)
+        skipped = metrics.get("skipped")
         if skipped is None:
             return
+        if self.guard is not None:
+            self.guard.observe(
+                step, float(metrics["loss"]), bool(int(skipped)), bool(int(metrics.get("spiked", 0)))
+            )
         if not int(skipped):
             self.streak = []
             return
         self.skipped += 1
         self.streak.append(step)
         if self.max_skipped and len(self.streak) >= self.max_skipped:
+            spike = (
+                " or a loss spike (train.on_spike = skip)"
+                if self.guard and self.guard.on_spike == "skip"
+                else ""
+            )
             raise Diverged(
                 f"training diverged: steps {self.streak[0]}-{self.streak[-1]} ({len(self.streak)} in a row, "
-                f"train.max_skipped_steps) had a non-finite loss or gradient norm and were skipped, so "
+                f"train.max_skipped_steps) had a non-finite loss or gradient norm{spike} and were skipped, so "
                 f"parameters and optimizer state are still those of step {self.streak[0] - 1} (as is every "
                 f"checkpoint since); lower optimizer.learning_rate, raise optimizer.warmup_steps or set "
                 f"optimizer.grad_clip, then resume"
@@ -114,55 +132,25 @@ class TrainLoop:
 
     def run(self, state, start_step: int, end_step: int):
         """Steps start_step..end_step-1; returns the last state."""
-        clock, train_seconds = time.perf_counter(), 0.0
-        self._mark = clock
+        self._mark, self.train_seconds = time.perf_counter(), 0.0
         if self.watchdog is not None:
             self.watchdog.start(start_step)
-        pending = None  # (step, its `skipped` flag), read once the next step is dispatched
         called = set()  # hooks that ran: a first call may compile (spmd.watchdog)
+        step = start_step
+        skip_spikes = self.guard is not None and self.guard.on_spike == "skip"
         try:
-            for step in range(start_step, end_step):
-                self._spend("productive")
-                batch = self.batches.train_batch(step)
-                self._spend("data_wait")
-                state, metrics = self.step_fn(state, batch)
-                for hook in self.hooks:
-                    hook.poll()
-                if pending is not None:
-                    self._count(*pending)  # waits for the previous step only: one step stays in flight
-                    pending = None
-                done = step + 1
-                final, stopping = done == end_step, self.stop is not None and self.stop()
-                due = [hook for hook in self.hooks if hook.should_run(done, final, stopping)]
-                if due:
-                    metrics = jax.device_get(metrics)  # waits for the step
-                    self._count(done, metrics.get("skipped", 0))
-                    train_seconds += time.perf_counter() - clock
-                    self._spend("productive")
-                    info = StepInfo(done, state, metrics, train_seconds, final, stopping)
-                    if "skipped" in metrics:
-                        info.extra["skipped_steps"] = self.skipped
-                    for hook in due:
-                        if self.watchdog is not None and id(hook) not in called:
-                            self.watchdog.hook_first_call()
-                        called.add(id(hook))
-                        hook(info)
-                        self._spend(hook.bucket)
-                        self._beat()
-                    clock = time.perf_counter()
-                else:
-                    pending = (done, metrics.get("skipped", 0))
-                if stopping:
-                    break
-            if pending is not None:
-                self._count(*pending)
+            while step < end_step:
+                try:
+                    step, state, stopping = self._run(state, step, end_step, called, skip_spikes)
+                    if stopping:
+                        break
+                except Rollback as r:
+                    if self.on_rollback is None:
+                        raise
+                    state, step = self.on_rollback(r)
+                    for hook in self.hooks:
+                        hook.rewind(step, self.train_seconds)
             self._spend("productive")
-        except BaseException:
-            # A diverged run, a failed hook or Ctrl-C can leave the last step running: wait for it,
-            # so that the process does not exit and free the step's program under it (XLA then
-            # aborts with oneDNN programs, turning exit code 2 into 134: spmd/cpu_matmul.py).
-            _wait_quietly(state)
-            raise
         finally:
             for hook in self.hooks:
                 self._spend("productive")
@@ -172,6 +160,64 @@ class TrainLoop:
             if self.watchdog is not None:
                 self.watchdog.stop()
         return state
+
+    def _run(self, state, step: int, end_step: int, called: set, skip_spikes: bool):
+        """Steps from `step` until the end, a stop, or a rollback (raised): (step, state, stopping)."""
+        clock, stopping = time.perf_counter(), False
+        train_seconds = self.train_seconds
+        pending = None  # (step, its metrics), read once the next step is dispatched
+        try:
+            while step < end_step:
+                self._spend("productive")
+                batch = self.batches.train_batch(step)
+                self._spend("data_wait")
+                if skip_spikes:
+                    state, metrics = self.step_fn(state, batch, np.float32(self.guard.threshold()))
+                else:
+                    state, metrics = self.step_fn(state, batch)
+                for hook in self.hooks:
+                    hook.poll()
+                if pending is not None:
+                    self._count(*pending)  # waits for the previous step only: one step stays in flight
+                    pending = None
+                done = step + 1
+                step = done
+                final, stopping = done == end_step, self.stop is not None and self.stop()
+                due = [hook for hook in self.hooks if hook.should_run(done, final, stopping)]
+                if due:
+                    metrics = jax.device_get(metrics)  # waits for the step
+                    self._count(done, metrics)
+                    train_seconds += time.perf_counter() - clock
+                    self._spend("productive")
+                    info = StepInfo(done, state, metrics, train_seconds, final, stopping)
+                    if "skipped" in metrics:
+                        info.extra["skipped_steps"] = self.skipped
+                    if self.guard is not None and (self.guard.spikes or self.guard.rollbacks):
+                        info.extra.update(spikes=self.guard.spikes, rollbacks=self.guard.rollbacks)
+                    for hook in due:
+                        if self.watchdog is not None and id(hook) not in called:
+                            self.watchdog.hook_first_call()
+                        called.add(id(hook))
+                        hook(info)
+                        self._spend(hook.bucket)
+                        self._beat()
+                    clock = time.perf_counter()
+                else:
+                    pending = (done, metrics)
+                if stopping:
+                    break
+            if pending is not None:
+                self._count(*pending)
+        except BaseException:
+            # A diverged run, a spike, a failed hook or Ctrl-C can leave the last step running:
+            # wait for it, so that the process does not exit and free the step's program under it
+            # (XLA then aborts with oneDNN programs, turning exit code 2 into 134:
+            # spmd/cpu_matmul.py), and a rollback does not restore beside it.
+            _wait_quietly(state)
+            raise
+        finally:
+            self.train_seconds = train_seconds
+        return step, state, stopping
 
 
 def _wait_quietly(tree) -> None:
@@ -248,6 +294,11 @@ class MetricsHook(LogSchedule):
         if self.writer is not None:
             self.writer.write(record)
 
+    def rewind(self, step: int, train_seconds: float) -> None:
+        self.last_step, self.last_seconds = step, train_seconds
+        if self.writer is not None:
+            self.writer.rewind(step)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -291,6 +342,9 @@ class ProgressHook(LogSchedule):
             highlight=False,
             soft_wrap=True,
         )
+
+    def rewind(self, step: int, train_seconds: float) -> None:
+        self.progress.update(self.task, completed=step)
 
     def close(self) -> None:
         self.progress.stop()
@@ -343,7 +397,10 @@ class CheckpointHook(Hook):
         self.canonical = canonical or (lambda state: state)
 
     def __call__(self, info: StepInfo) -> None:
-        self.checkpointer.save(info.step, self.canonical(info.state), self.meta(info.step))
+        meta = self.meta(info.step)
+        if "eval_loss" in info.extra:  # retention keeps the best (checkpoint.keep_best)
+            meta["eval_loss"] = float(info.extra["eval_loss"])
+        self.checkpointer.save(info.step, self.canonical(info.state), meta)
         if info.stopping:
             self.checkpointer.wait()
 

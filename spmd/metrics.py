@@ -308,6 +308,20 @@ class MetricsWriter:
             with contextlib.suppress(OSError):
                 self._save_tracking()
 
+    def rewind(self, step: int) -> None:
+        """Forget the records after `step` (a rollback): metrics.jsonl is rewritten without them."""
+        self.history = [r for r in self.history if r["step"] <= step]
+        try:
+            self.jsonl.close()
+            tmp = self.jsonl.name + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.history)
+            os.replace(tmp, self.jsonl.name)
+            self.jsonl = open(self.jsonl.name, "a")
+        except OSError as e:
+            self.failed = MetricsWriteError(f"{self.jsonl.name} could not be rewritten: {e.strerror or e}")
+            raise self.failed from None
+
     def close(self, started: bool = True) -> None:
         summary = {
             k: v

@@ -18,9 +18,10 @@ import shutil
 import time
 
 import jax
+import numpy as np
 
 from spmd import checkpoint as ckpt
-from spmd import goodput, hostmem, loop, runlock
+from spmd import goodput, hostmem, loop, runlock, spikes
 from spmd.config import config_from_json
 from spmd.data import data_tokenizer, data_tokenizer_record
 from spmd.errors import UserError, log
@@ -274,8 +275,16 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     writer = MetricsWriter(run_dir, cfg.metrics, resolved) if is_main else None
     t0 = time.perf_counter()
     ledger.add("init", t0 - started)
+    guard = spikes.SpikeGuard.for_config(tcfg, {"spikes": start.spikes})
     try:
-        step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+        if tcfg.on_spike == "skip":  # the step takes the spike threshold as an input
+            step_fn = (
+                trainer.guarded_step()
+                .lower(start.state, batches.train_batch(start.step), np.float32(np.inf))
+                .compile()
+            )
+        else:
+            step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
     except BaseException:
         if writer is not None:
             writer.close()
@@ -299,7 +308,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         loop.CheckpointHook(
             checkpointer,
             cfg.checkpoint.every,
-            lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals()),
+            lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals(), guard.to_meta()),
             setup.trainer.to_canonical,
         )
     )
@@ -307,9 +316,41 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         hooks.append(loop.ProfileHook(run_dir / "profile", *profile, start.step))
     preemption = loop.Preemption().install()
     watchdog = Watchdog(tcfg.step_timeout, run_dir / "hangs", jax.process_index(), compile_seconds)
+
+    def rollback(spike: spikes.Rollback):
+        """The state of the newest checkpoint before the spike, and the data past the batches that
+        led to it (plus train.spike_skip_batches)."""
+        checkpointer.wait()
+        before = [s for s in ckpt.committed_steps(checkpointer.directory) if s < spike.step]
+        what = f"loss spike at step {spike.step} (loss {spike.loss:.4f}, above {spike.threshold:.4f})"
+        if not before:
+            raise spikes.Spiked(
+                f"{what}, and no checkpoint before it to roll back to; set checkpoint.every so that one is "
+                f"written, or lower optimizer.learning_rate"
+            )
+        if guard.rollbacks >= tcfg.max_rollbacks:
+            raise spikes.Spiked(
+                f"{what} after {guard.rollbacks} rollbacks (train.max_rollbacks): the run stops; the "
+                f"checkpoints from before the first spike are kept"
+            )
+        target = before[-1]
+        # past the batch of the spiking step (and those of earlier rollbacks) and N more
+        position = batches.consumed_samples(spike.step) + tcfg.spike_skip_batches * tcfg.global_batch_size
+        state, meta = ckpt.restore(checkpointer.directory, target, trainer.abstract_state)
+        skip = (position - int(meta["consumed_samples"])) // tcfg.global_batch_size
+        batches.resume_at(target, position)
+        counts = (guard.spikes, guard.rollbacks + 1, guard.first_anomaly)
+        restored = spikes.SpikeGuard.for_config(tcfg, meta)
+        guard.losses = restored.losses  # the history as of the checkpoint, the counts as of now
+        guard.spikes, guard.rollbacks, guard.first_anomaly = counts
+        if is_main:
+            log(f"rollback: {what}; restored step {target} and skipped {skip} batches of data "
+                f"(rollback {guard.rollbacks} of at most {tcfg.max_rollbacks})")  # fmt: skip
+        return trainer.from_canonical(state), target
+
     train_loop = loop.TrainLoop(
         step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,
-        watchdog=watchdog,
+        watchdog=watchdog, guard=guard, on_rollback=rollback,
     )  # fmt: skip
     try:
         train_loop.run(start.state, start.step, tcfg.steps)

@@ -98,6 +98,10 @@ class Trainer:
     # The mesh axes a pure data-parallel step sums its gradients over as one flat vector
     # (spmd/dataparallel.py); None when XLA's all-reduce does it.
     flat_grad_axes: tuple[str, ...] | None = None
+    # () -> jitted (state, batch, max_loss) -> (state, metrics): train_step that also leaves the
+    # state unchanged when the loss is above max_loss (train.on_spike = skip, spmd.spikes); made
+    # only by runs that use it (a oneDNN program is kept alive once made: spmd.cpu_matmul.keep)
+    guarded_step: object = None
 
     def to_canonical(self, state):
         """The train state with its layer stacks in canonical order (what checkpoints hold): new
@@ -238,7 +242,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         return grads, sums
 
-    def train_step(state, batch: Batch):
+    def train_step(state, batch: Batch, max_loss=None):
         if flat_axes:
             summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
             grads, (ce_sum, z_sum, count, aux) = summed(state["params"], batch)
@@ -258,8 +262,11 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
         # A non-finite loss or gradient skips the update: parameters and optimizer state stay as
         # they were (a select, fused into the update, so the kept branch is bit-identical).
         finite = jnp.isfinite(ce_sum) & jnp.isfinite(z_sum) & jnp.isfinite(grad_norm)
+        # Under on_spike = skip a loss above the threshold the loop passes is skipped alike.
+        spiked = None if max_loss is None else finite & (ce_sum / count > max_loss)
+        keep = finite if spiked is None else finite & ~spiked
         params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
+            lambda new, old: jnp.where(keep, new, old),
             (params, opt_state),
             (state["params"], old_opt_state),
         )
@@ -269,9 +276,11 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
             "grad_norm": grad_norm,
             "learning_rate": schedule(state["step"]),
             "tokens": count,
-            "skipped": 1 - finite.astype(jnp.int32),
+            "skipped": 1 - keep.astype(jnp.int32),
             "aux": family.aux_metrics(aux, count) if aux else {},  # the model's own, by name
         }
+        if spiked is not None:
+            metrics["spiked"] = spiked.astype(jnp.int32)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
@@ -285,6 +294,14 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
             train_step,
             choices.matmul,
             in_shardings=(state_shardings, batch_shardings),
+            out_shardings=(state_shardings, plan.replicated),
+            donate_argnums=0,
+            compiler_options=choices.train_options,
+        ),
+        guarded_step=lambda: cpu_matmul.jit(
+            train_step,
+            choices.matmul,
+            in_shardings=(state_shardings, batch_shardings, plan.replicated),
             out_shardings=(state_shardings, plan.replicated),
             donate_argnums=0,
             compiler_options=choices.train_options,
