@@ -12,8 +12,9 @@ Packing (`data.packing`): `concat` cuts the token stream into windows that run a
 boundaries; `segments` (prepared directories, which know where documents end) cuts the same
 windows but tells the model where each document starts: segment ids (attention stays within a
 document), positions that restart at each document, and a loss mask that leaves out predicting
-a document's first token from the one before. Documents are packed back to back and split at
-window edges, so nothing is padded. Window i is still a pure function of (seed, i).
+a document's first token from the one before (and, for chat data, every token its own mask
+leaves out: spmd.chat). Documents are packed back to back and split at window edges, so nothing
+is padded. Window i is still a pure function of (seed, i).
 """
 
 import dataclasses
@@ -91,11 +92,15 @@ class TokenStream:
         dtype = np.dtype(manifest["dtype"])
         shards = manifest["splits"][split]["shards"]
         self.parts, ends, offset = [], [], 0
+        # chat data (spmd.chat): 1 for each token trained on as a target, in .mask files
+        self.masks = [] if all("mask" in shard for shard in shards) and shards else None
         for shard in shards:
             if shard["tokens"]:
                 self.parts.append(np.memmap(directory / shard["bin"], dtype=dtype, mode="r"))
                 ends.append(np.fromfile(directory / shard["idx"], dtype=np.int64) + offset)
                 offset += shard["tokens"]
+                if self.masks is not None:
+                    self.masks.append(np.memmap(directory / shard["mask"], dtype=np.uint8, mode="r"))
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
         self.doc_ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
         self.dtype = dtype
@@ -104,12 +109,19 @@ class TokenStream:
         return int(self.starts[-1])
 
     def __getitem__(self, index: slice) -> np.ndarray:
+        return self._slice(self.parts, index)
+
+    def mask(self, index: slice) -> np.ndarray | None:
+        """The loss mask of tokens `index` (None: every token is trained on)."""
+        return None if self.masks is None else self._slice(self.masks, index)
+
+    def _slice(self, parts: list, index: slice) -> np.ndarray:
         start, stop, _ = index.indices(len(self))
         pieces = []
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
             part_stop = min(stop, int(self.starts[k + 1]))
-            pieces.append(self.parts[k][start - self.starts[k] : part_stop - self.starts[k]])
+            pieces.append(parts[k][start - self.starts[k] : part_stop - self.starts[k]])
             start, k = part_stop, k + 1
         return np.concatenate(pieces) if len(pieces) != 1 else np.asarray(pieces[0])
 
@@ -206,6 +218,8 @@ def load_tokens(
         )
         held_out = manifest["splits"]["val"]
         bytes_per_token = held_out["bytes"] / held_out["tokens"] if held_out.get("bytes") else None
+        if val.masks is not None:  # the loss counts only trained tokens: no known bytes per token
+            bytes_per_token = None
         return train, val, desc, bytes_per_token
     bytes_per_token = None  # token ids of unknown text (.npy, .bin)
     if not data_cfg.path:
@@ -310,8 +324,11 @@ class PackedWindowSource:
         doc = np.searchsorted(self.stream.doc_ends, index, side="right")  # document of each token
         segment = (doc - doc[0]).astype(np.int32)
         position = (index - np.maximum(self.doc_starts[doc], start)).astype(np.int32)
-        same_doc = (doc[1:] == doc[:-1]).astype(np.int32)  # the target continues the input's document
-        return np.stack([window[:-1], window[1:], segment[:-1], position[:-1], same_doc])
+        trained = (doc[1:] == doc[:-1]).astype(np.int32)  # the target continues the input's document
+        mask = self.stream.mask(slice(start + 1, start + T + 1))
+        if mask is not None:  # chat data: only the tokens its mask trains on
+            trained &= mask.astype(np.int32)
+        return np.stack([window[:-1], window[1:], segment[:-1], position[:-1], trained])
 
 
 PACKED_FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -403,6 +420,11 @@ def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str, held_ou
                 f"prepare the data with spmd-data prepare and point {what} at its output directory"
             )
         return PackedWindowSource(train_tokens, T), PackedWindowSource(val_tokens, T), desc, bytes_per_token
+    if isinstance(train_tokens, TokenStream) and train_tokens.masks is not None:
+        raise UserError(
+            f"{what} is chat data with a loss mask, which only data.packing = segments applies (it also keeps "
+            f"conversations apart); set data.packing=segments"
+        )
     return WindowSource(train_tokens, T), WindowSource(val_tokens, T), desc, bytes_per_token
 
 

@@ -283,6 +283,8 @@ class MetricsHook(LogSchedule):
             "grad_norm": float(m["grad_norm"]),
             "step_time": seconds / steps,
         }
+        if "tokens" in m:  # the targets the loss counted in the logged step (masks leave some out)
+            record["trained_tokens"] = int(m["tokens"])
         if self.z_loss:
             record["z_loss"] = float(m["z_loss"])
         record.update({key: float(v) for key, v in m.get("aux", {}).items()})  # the model's own metrics

@@ -50,6 +50,15 @@ class Options:
     val_fraction: float = 0.0
     errors: str = "strict"  # how non-UTF-8 text is decoded: strict (an error) | replace
     shard_tokens: int = 1 << 30  # a new shard after this many tokens
+    # chat data (spmd.chat): .jsonl records with a `messages` list, rendered with a chat template
+    format: str = "text"  # text | chat
+    chat_template: str = ""  # a jinja file; empty: the tokenizer's own (tokenizer_config.json)
+    train_on: str = "assistant"  # all | assistant | last
+    seq_len: int = 0  # conversations longer than this many tokens are `overlong` (0: no limit)
+    overlong: str = "drop"  # drop | split (across windows, as text documents are)
+
+
+CHAT_OPTIONS = ("chat_template", "train_on", "seq_len", "overlong")
 
 
 def input_files(inputs: list[str]) -> list[pathlib.Path]:
@@ -83,25 +92,20 @@ def _decode(data: bytes, path: pathlib.Path, errors: str, line: int | None = Non
         ) from None
 
 
-def documents(path: pathlib.Path, opts: Options) -> Iterator[str]:
-    """The documents of one input file, in order."""
-    if path.suffix in (".txt", ".md"):
+def documents(path: pathlib.Path, opts: Options) -> Iterator:
+    """The documents of one input file, in order: texts, or (format chat) message lists."""
+    if opts.format == "chat":
+        yield from _conversations(path, opts)
+    elif path.suffix in (".txt", ".md"):
         yield _decode(path.read_bytes(), path, opts.errors)
     elif path.suffix == ".jsonl":
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(_decode(raw, path, opts.errors, n))
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path} line {n} is not JSON ({e.msg})") from None
-                text = record.get(opts.text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise UserError(
-                        f"{path} line {n} has no text field {opts.text_field!r}; name the field with --text-field"
-                    )
-                yield text
+        for n, record in _records(path, opts):
+            text = record.get(opts.text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise UserError(
+                    f"{path} line {n} has no text field {opts.text_field!r}; name the field with --text-field"
+                )
+            yield text
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -119,6 +123,31 @@ def documents(path: pathlib.Path, opts: Options) -> Iterator[str]:
             for text in batch.column(0).to_pylist():
                 if text is not None:
                     yield text
+
+
+def _records(path: pathlib.Path, opts: Options) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-empty line of a .jsonl file."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield n, json.loads(_decode(raw, path, opts.errors, n))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path} line {n} is not JSON ({e.msg})") from None
+
+
+def _conversations(path: pathlib.Path, opts: Options) -> Iterator[list]:
+    from spmd import chat
+
+    if path.suffix != ".jsonl":
+        raise UserError(
+            f'input {str(path)!r}: chat data is .jsonl, one {{"messages": [...]}} object per line'
+        )
+    for n, record in _records(path, opts):
+        messages = record.get("messages") if isinstance(record, dict) else None
+        chat.check_messages(messages, f"{path} line {n}", opts.train_on)
+        yield messages
 
 
 # The end-of-document token of a tokenizer trained here (id 0): spmd-data prepare ends each
@@ -176,9 +205,14 @@ def in_val(text: str, val_fraction: float) -> bool:
 
 def inputs_key(files: list[pathlib.Path], tokenizer, opts: Options) -> str:
     """What the output depends on: input contents, the tokenizer file, the options."""
-    h = hashlib.sha256(
-        json.dumps([FORMAT, tokenizer.sha256, dataclasses.asdict(opts) | {"tokenizer": ""}]).encode()
-    )
+    options = dataclasses.asdict(opts) | {"tokenizer": ""}
+    if opts.format == "chat":  # the template is part of the output, wherever it comes from
+        from spmd import chat
+
+        options["chat_template"] = chat.ChatTemplate.load(tokenizer, opts.chat_template).source
+    else:  # keys of text data as they were before chat data existed
+        options = {k: v for k, v in options.items() if k not in CHAT_OPTIONS and k != "format"}
+    h = hashlib.sha256(json.dumps([FORMAT, tokenizer.sha256, options]).encode())
     for f in files:
         h.update(str(f).encode() + b"\0")
         with open(f, "rb") as fh:
@@ -187,21 +221,51 @@ def inputs_key(files: list[pathlib.Path], tokenizer, opts: Options) -> str:
     return h.hexdigest()
 
 
-_worker_tokenizer = None
+_worker_encode = None
 
 
-def _init_worker(spec: str) -> None:
-    global _worker_tokenizer
+def _init_worker(opts: Options) -> None:
+    global _worker_encode
     # One thread per worker: the workers are the parallelism (the tokenizers library would
     # otherwise start a thread per core in every worker and oversubscribe the machine).
     os.environ["RAYON_NUM_THREADS"] = "1"
     from spmd import tokenizer as tokenizer_lib
 
-    _worker_tokenizer = tokenizer_lib.load(spec)
+    _worker_encode = encoder(tokenizer_lib.load(opts.tokenizer), opts)
 
 
-def _encode(texts: list[str]) -> list[np.ndarray]:
-    return _worker_tokenizer.encode_batch(texts)
+def _encode(documents: list) -> list:
+    return _worker_encode(documents)
+
+
+def encoder(tokenizer, opts: Options):
+    """documents -> [(token ids, loss mask or None, UTF-8 bytes of the text)]: texts end in the
+    tokenizer's EOS where it has one; conversations are exactly what their template renders."""
+    if opts.format == "chat":
+        from spmd import chat
+
+        template = chat.ChatTemplate.load(tokenizer, opts.chat_template)
+
+        def encode(conversations):
+            out = []
+            for messages in conversations:
+                text, trained = chat.spans(template, messages, opts.train_on)
+                ids, mask = chat.mask_tokens(tokenizer, text, trained)
+                out.append((ids, mask, len(text.encode("utf-8", "surrogatepass"))))
+            return out
+
+        return encode
+    eos = tokenizer.eos_id
+
+    def encode(texts):
+        out = []
+        for text, ids in zip(texts, tokenizer.encode_batch(texts)):
+            if eos is not None and (len(ids) == 0 or ids[-1] != eos):
+                ids = np.append(ids, np.int32(eos))
+            out.append((ids, None, len(text.encode("utf-8", "surrogatepass"))))
+        return out
+
+    return encode
 
 
 def _chunks(files, opts) -> Iterator[list[str]]:
@@ -219,8 +283,10 @@ def _chunks(files, opts) -> Iterator[list[str]]:
 class _ShardWriter:
     """Documents of one split into <split>-NNNNN.bin/.idx files."""
 
-    def __init__(self, directory: pathlib.Path, split: str, dtype, shard_tokens: int):
+    def __init__(self, directory: pathlib.Path, split: str, dtype, shard_tokens: int, masked: bool = False):
         self.directory, self.split, self.dtype, self.limit = directory, split, dtype, shard_tokens
+        self.masked = masked  # chat data: a .mask file (uint8 per token) beside each .bin
+        self.trained = 0  # tokens the masks train on
         self.shards: list[dict] = []
         self.documents = self.tokens = self.bytes = 0
         self._open()
@@ -231,16 +297,26 @@ class _ShardWriter:
         self.bin_sha = hashlib.sha256()
         self.ends: list[int] = []
         self.shard = {"bin": f"{name}.bin", "idx": f"{name}.idx", "documents": 0, "tokens": 0}
+        if self.masked:
+            self.shard["mask"] = f"{name}.mask"
+            self.mask = open(self.directory / self.shard["mask"], "wb")
+            self.mask_sha = hashlib.sha256()
         self.shards.append(self.shard)
 
-    def add(self, ids: np.ndarray, n_bytes: int = 0) -> None:
-        """One document's token ids; `n_bytes`: its text's size in UTF-8 (for bits per byte)."""
+    def add(self, ids: np.ndarray, n_bytes: int = 0, mask: np.ndarray | None = None) -> None:
+        """One document's token ids; `n_bytes`: its text's size in UTF-8 (for bits per byte);
+        `mask`: which of its tokens are trained on (chat data)."""
         if self.shard["tokens"] and self.shard["tokens"] + len(ids) > self.limit:
             self._close()
             self._open()
         data = np.asarray(ids, self.dtype).tobytes()
         self.bin.write(data)
         self.bin_sha.update(data)
+        if self.masked:
+            flags = np.asarray(mask, np.uint8).tobytes()
+            self.mask.write(flags)
+            self.mask_sha.update(flags)
+            self.trained += int(np.count_nonzero(mask))
         self.shard["tokens"] += len(ids)
         self.shard["documents"] += 1
         self.ends.append(self.shard["tokens"])
@@ -255,6 +331,9 @@ class _ShardWriter:
             "bin": self.bin_sha.hexdigest(),
             "idx": hashlib.sha256(ends.tobytes()).hexdigest(),
         }
+        if self.masked:
+            self.mask.close()
+            self.shard["sha256"]["mask"] = self.mask_sha.hexdigest()
 
     def close(self) -> dict:
         self._close()
@@ -264,6 +343,7 @@ class _ShardWriter:
             "documents": self.documents,
             "tokens": self.tokens,
             "bytes": self.bytes,
+            **({"trained_tokens": self.trained} if self.masked else {}),
             "shards": self.shards,
         }
 
@@ -277,6 +357,14 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
         raise UserError(f"--errors must be strict or replace, got {opts.errors!r}")
     if not 0 <= opts.val_fraction < 1:
         raise UserError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
+    if opts.format not in ("text", "chat"):
+        raise UserError(f"--format must be text or chat, got {opts.format!r}")
+    if opts.format != "chat" and (opts.chat_template or opts.train_on != "assistant"):
+        raise UserError("--chat-template and --train-on are for chat data: add --format chat")
+    if opts.train_on not in ("all", "assistant", "last") or opts.overlong not in ("drop", "split"):
+        raise UserError("--train-on must be all, assistant or last, and --overlong drop or split")
+    if opts.seq_len < 0:
+        raise UserError(f"--seq-len must be >= 0 (0: no limit), got {opts.seq_len}")
     files = input_files(inputs)
     tokenizer = tokenizer_lib.load(opts.tokenizer)
     key = inputs_key(files, tokenizer, opts)
@@ -307,6 +395,12 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
                     f"inputs {', '.join(inputs)} hold no documents (or all fell in the held-out split)"
                 )
             manifest["key"] = key
+            if opts.format == "chat":  # the template the data was rendered with, as transformers names it
+                from spmd import chat
+
+                (tmp / chat.TEMPLATE_FILE).write_text(
+                    chat.ChatTemplate.load(tokenizer, opts.chat_template).source
+                )
             name = tokenizer_lib.run_file_name(tokenizer)
             if name:  # the directory carries its tokenizer: spmd-train finds it there
                 shutil.copy2(tokenizer.file, tmp / name)
@@ -374,8 +468,10 @@ def _remove_stale_temporaries(out_dir: pathlib.Path) -> None:
 def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, progress: bool) -> dict:
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    writers = {s: _ShardWriter(directory, s, dtype, opts.shard_tokens) for s in ("train", "val")}
+    chat = opts.format == "chat"
+    writers = {s: _ShardWriter(directory, s, dtype, opts.shard_tokens, masked=chat) for s in ("train", "val")}
     eos = tokenizer.eos_id
+    overlong = {"split": 0, "dropped": 0}
     started = time.perf_counter()
     columns = [TextColumn("{task.fields[docs]:,} documents  {task.fields[toks]:,} tokens  "
                           "{task.fields[dps]:,.0f} documents/s  {task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn()]  # fmt: skip
@@ -396,22 +492,25 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
     pool = None
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(opts.tokenizer,))
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(opts,))
         encoded_chunks = pool.imap(_encode, feed(), chunksize=1)
     else:
-        encoded_chunks = map(tokenizer.encode_batch, feed())
+        encoded_chunks = map(encoder(tokenizer, opts), feed())
     try:
         with bar:
             for encoded in encoded_chunks:
                 chunk = pending.popleft()
                 ahead.release()
-                for text, ids in zip(chunk, encoded):
-                    if eos is not None and (len(ids) == 0 or ids[-1] != eos):
-                        ids = np.append(ids, np.int32(eos))
+                for document, (ids, mask, n_bytes) in zip(chunk, encoded):
                     if len(ids) == 0:
                         continue
-                    split = "val" if in_val(text, opts.val_fraction) else "train"
-                    writers[split].add(ids, len(text.encode("utf-8", "surrogatepass")))
+                    if opts.seq_len and len(ids) > opts.seq_len:
+                        overlong["dropped" if opts.overlong == "drop" else "split"] += 1
+                        if opts.overlong == "drop":
+                            continue
+                    key = json.dumps(document, sort_keys=True, ensure_ascii=False) if chat else document
+                    split = "val" if in_val(key, opts.val_fraction) else "train"
+                    writers[split].add(ids, n_bytes, mask)
                 docs = sum(w.documents for w in writers.values())
                 toks = sum(w.tokens for w in writers.values())
                 seconds = max(time.perf_counter() - started, 1e-9)
@@ -429,12 +528,28 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
             "eos_id": eos,
         },  # fmt: skip
         "dtype": np.dtype(dtype).name,
+        **({"chat": _chat_record(tokenizer, opts, overlong)} if chat else {}),
         "documents": sum(s["documents"] for s in splits.values()),
         "tokens": sum(s["tokens"] for s in splits.values()),
         "splits": splits,
         "options": dataclasses.asdict(opts),
         "inputs": [str(f) for f in files],
         "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _chat_record(tokenizer, opts: Options, overlong: dict) -> dict:
+    """What the manifest says of chat data: the template, what is trained on, and the conversations
+    longer than --seq-len."""
+    from spmd import chat
+
+    template = chat.ChatTemplate.load(tokenizer, opts.chat_template)
+    return {
+        "template": template.origin,
+        "template_sha256": hashlib.sha256(template.source.encode()).hexdigest(),
+        "train_on": opts.train_on,
+        "seq_len": opts.seq_len,
+        "overlong": {"policy": opts.overlong, **overlong},
     }
 
 
@@ -490,7 +605,10 @@ def verify(directory: pathlib.Path, manifest: dict, cached: bool = False) -> lis
     unchecked, fresh = [], {}
     for split in ("train", "val"):
         for shard in manifest["splits"][split]["shards"]:
-            for kind, want in (("bin", shard["tokens"] * itemsize), ("idx", shard["documents"] * 8)):
+            kinds = [("bin", shard["tokens"] * itemsize), ("idx", shard["documents"] * 8)]
+            if "mask" in shard:
+                kinds.append(("mask", shard["tokens"]))
+            for kind, want in kinds:
                 f = directory / shard[kind]
                 stat = f.stat() if f.is_file() else None
                 if stat is None or stat.st_size != want:

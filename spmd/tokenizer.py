@@ -35,6 +35,12 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, the character index each token starts at)."""
+        data = text.encode()
+        char_of_byte = np.repeat(np.arange(len(text)), [len(c.encode()) for c in text])
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32), char_of_byte.astype(np.int64)
+
     def decode(self, ids) -> str:
         """The bytes as UTF-8 text; an id past 255 (a model with a larger vocabulary trained on
         bytes can still draw one) is no byte, and shows as U+FFFD."""
@@ -72,6 +78,14 @@ class HFTokenizer:
         encoded = self.tokenizer.encode_batch(texts)
         return [np.asarray(e.ids, np.int32) for e in encoded]
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, the character index each token starts at) of `text` with no special tokens added
+        (a chat template writes its own)."""
+        e = self.tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, np.int32), np.asarray([start for start, _ in e.offsets], np.int64).reshape(
+            -1
+        )
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
@@ -97,6 +111,12 @@ class SentencePieceTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, np.int32) for ids in self.sp.encode(texts)]
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        raise UserError(
+            f"chat data needs a tokenizer.json (or bytes), not the SentencePiece model {self.name}: use the "
+            f"tokenizer.json the model ships beside it"
+        )
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])

@@ -33,6 +33,9 @@ class Stream:
     def __getitem__(self, index):
         return self.tokens[index]
 
+    def mask(self, index):  # text: every token is trained on
+        return None
+
 
 def test_packed_windows_mark_documents():
     docs = [np.arange(100, 105), np.arange(200, 203), np.arange(300, 312)]  # 5 + 3 + 12 tokens

@@ -14,6 +14,7 @@ examples:
   spmd-data prepare corpus/ --tokenizer data/tokenizer.json --out data/corpus --val-fraction 0.01
   spmd-data prepare a.jsonl b.parquet --text-field content --tokenizer sp.model --out data/mix-a --workers 4
   spmd-train --config tiny --set data.path=data/corpus --set data.packing=segments ...
+  spmd-data prepare chats.jsonl --format chat --tokenizer runs/llama/tokenizer.json --seq-len 2048 --out data/sft
 """
 
 
@@ -47,6 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="non-UTF-8 text: an error, or replaced [strict]",
     )
     add("--shard-tokens", type=int, default=1 << 30, help="tokens per shard file [2^30]")
+    add(
+        "--format",
+        default="text",
+        choices=("text", "chat"),
+        help="text documents, or chat: .jsonl records with a 'messages' list of {role, content} [text]",
+    )
+    add("--chat-template", default="", help="chat: a jinja template file [the tokenizer's own chat_template]")
+    add(
+        "--train-on",
+        default="assistant",
+        choices=("all", "assistant", "last"),
+        help="chat: the tokens trained on: every one, the assistant turns, the last assistant turn [assistant]",
+    )
+    add(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="chat: conversations longer than this many tokens are overlong [0: none]",
+    )
+    add(
+        "--overlong",
+        default="drop",
+        choices=("drop", "split"),
+        help="chat: drop overlong conversations, or split them across windows as text is [drop]",
+    )
     add("--overwrite", action="store_true", help="replace an --out that holds a different prepared dataset")
     add("--quiet", action="store_true", help="no progress display")
     tok = sub.add_parser(
@@ -113,6 +139,11 @@ def run(args) -> int:
         val_fraction=args.val_fraction,
         errors=args.errors,
         shard_tokens=args.shard_tokens,
+        format=args.format,
+        chat_template=args.chat_template,
+        train_on=args.train_on,
+        seq_len=args.seq_len,
+        overlong=args.overlong,
     )
     m = prepare.prepare(args.inputs, args.out, opts, args.workers, args.overwrite, progress=not args.quiet)
     train, val = m["splits"]["train"], m["splits"]["val"]
@@ -127,6 +158,13 @@ def run(args) -> int:
         f"{val['documents']:,} held out ({val['tokens']:,} tokens); tokenizer {m['tokenizer']['name']} "
         f"(vocab {m['tokenizer']['vocab_size']:,}, eos {m['tokenizer']['eos_id']})"
     )
+    if "chat" in m:
+        chat, over = m["chat"], m["chat"]["overlong"]
+        log(
+            f"chat: template {chat['template']}; trained on {chat['train_on']}: {train['trained_tokens']:,} of "
+            f"{train['tokens']:,} training tokens; longer than --seq-len {chat['seq_len']}: {over['dropped']} dropped, "
+            f"{over['split']} split"
+        )
     return 0
 
 
