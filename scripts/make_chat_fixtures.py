@@ -7,6 +7,8 @@ Variants (each a directory with tokenizer.json and tokenizer_config.json):
   chatml      Qwen2.5's ChatML template (a default system turn, <|im_end|>\\n after each turn)
   generation  llama3 with {% generation %} around the assistant text, so transformers also returns
               its assistant-token mask (return_assistant_tokens_mask) to compare ours with
+  llama-chat  a small random Llama (vocab 400) saved by transformers with the llama3 tokenizer: the
+              checkpoint docs/finetune.md's recipe starts from in tests
 
 This machine has transformers only in a Python 3.11 venv:
 
@@ -17,6 +19,7 @@ import json
 import pathlib
 import shutil
 
+import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -122,6 +125,15 @@ def main() -> None:
             out.append(record)
         reference["variants"][name] = out
     (OUT / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False))
+    model_dir = OUT / "llama-chat"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=0, eos_token_id=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(str(model_dir))
+    transformers.AutoTokenizer.from_pretrained(str(OUT / "llama3")).save_pretrained(str(model_dir))
     print(f"wrote {OUT} (transformers {transformers.__version__})")
 
 

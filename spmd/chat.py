@@ -76,10 +76,11 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, tokenizer, override: str = "") -> "ChatTemplate":
-        """The template of `tokenizer` (`chat_template` in the tokenizer_config.json beside its file),
-        or the jinja file `override` (--chat-template)."""
+        """The template of `tokenizer`: chat_template.jinja beside its file, else `chat_template` in
+        the tokenizer_config.json there; or the jinja file `override` (--chat-template)."""
         tokenizer_file = getattr(tokenizer, "file", None)
         config_path = pathlib.Path(tokenizer_file).with_name(TOKENIZER_CONFIG) if tokenizer_file else None
+        own_file = pathlib.Path(tokenizer_file).with_name(TEMPLATE_FILE) if tokenizer_file else None
         config = {}
         if config_path is not None and config_path.is_file():
             try:
@@ -98,6 +99,8 @@ class ChatTemplate:
                 return cls(path.read_text(), special, str(path))
             except (OSError, UnicodeDecodeError) as e:
                 raise UserError(f"--chat-template {override!r} cannot be read: {e}") from None
+        if own_file is not None and own_file.is_file():  # as transformers: this file wins
+            return cls(own_file.read_text(), special, str(own_file))
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
@@ -132,6 +135,17 @@ def _compiled(source: str):
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"the chat template is not valid jinja (line {e.lineno}: {e.message})") from None
     return _cache[source]
+
+
+def stop_ids(tokenizer, template: ChatTemplate) -> set[int]:
+    """The tokens that end an assistant turn: the template's eos_token and the tokenizer's EOS."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    eos = template.special.get("eos_token")
+    if eos is not None and getattr(tokenizer, "tokenizer", None) is not None:
+        found = tokenizer.tokenizer.token_to_id(eos)
+        if found is not None:
+            ids.add(found)
+    return ids
 
 
 def check_messages(messages, where: str, train_on: str) -> None:

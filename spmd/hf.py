@@ -34,7 +34,13 @@ GENERATION_CONFIG = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Copied from an HF directory into the run dir on import, and out again on export.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",  # transformers writes the chat template here (it wins over the config's)
+)
 
 
 def architecture(hf: dict, source: str) -> tuple[str, family_lib.ModelFamily]:

@@ -161,8 +161,11 @@ class Sampler:
         top_k: int,
         seed: int,
         on_token=None,
+        stop: set[int] = frozenset(),
     ) -> list[np.ndarray]:
-        """New tokens for each prompt; `on_token(t, tokens_B)` is called as each step's tokens arrive."""
+        """New tokens for each prompt; `on_token(t, tokens_B)` is called as each step's tokens arrive.
+        Decoding ends early once every prompt has drawn one of the `stop` tokens (what follows it
+        in a row is filler)."""
         n = len(prompts)
         B = -(-n // batch_multiple(self.loaded)) * batch_multiple(self.loaded)
         P = max(len(p) for p in prompts)
@@ -182,12 +185,16 @@ class Sampler:
         logits_BV, cache = self.forward(self.params, tokens_BP, positions_BP, cache)
         key = jax.random.key(seed)
         out = np.zeros((B, max_new_tokens), np.int32)
+        stopped = np.zeros(n, bool)
         # Token t is drawn with fold_in(key, t), from the logits after token t-1.
         next_B = np.asarray(pick(logits_BV, jax.random.fold_in(key, 0), temperature, top_k))
         for t in range(max_new_tokens):
             out[:, t] = next_B
             if on_token is not None:
                 on_token(t, next_B[:n])
+            stopped |= np.isin(next_B[:n], list(stop))
+            if stopped.all():
+                return [out[i, : t + 1] for i in range(n)]
             if t + 1 < max_new_tokens:
                 positions_B1 = (P - pad_B + t)[:, None]
                 next_B, cache = self.decode(

@@ -22,6 +22,7 @@ import numpy as np
 
 from spmd import checkpoint as ckpt
 from spmd import goodput, hostmem, loop, runlock, spikes
+from spmd.chat import TEMPLATE_FILE
 from spmd.config import config_from_json
 from spmd.data import data_tokenizer, data_tokenizer_record
 from spmd.errors import UserError, log
@@ -119,9 +120,12 @@ def keep_tokenizer(tokenizer, run_dir: pathlib.Path) -> None:
     spmd-sample, spmd-eval and export-hf find it."""
     name = run_file_name(tokenizer)
     if name and tokenizer.file.resolve() != (run_dir / name).resolve():
-        tmp = run_dir / f".{name}.tmp"
-        shutil.copy2(tokenizer.file, tmp)
-        tmp.replace(run_dir / name)
+        # chat data's template (spmd-data prepare keeps it beside the tokenizer) goes along
+        for src, dst in ((tokenizer.file, name), (tokenizer.file.with_name(TEMPLATE_FILE), TEMPLATE_FILE)):
+            if src.is_file():
+                tmp = run_dir / f".{dst}.tmp"
+                shutil.copy2(src, tmp)
+                tmp.replace(run_dir / dst)
 
 
 def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> None:

@@ -18,6 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy [0.8]")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all [40]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message: rendered with the run's chat template and answered as the "
+        "assistant, up to the end of its turn",
+    )
+    p.add_argument("--system", default="", help="--chat: a system message first")
+    p.add_argument("--chat-template", default="", help="--chat: a jinja template file [the run's own]")
     return p
 
 
@@ -56,9 +64,25 @@ def run(args, may_relaunch: bool = False) -> int:
         raise UserError("give a --prompt or a --prompts-file")
     from spmd import tokenizer as tokenizer_lib
 
+    if (args.system or args.chat_template) and not args.chat:
+        raise UserError("--system and --chat-template are for --chat")
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, args.set, batch=0, decoding=True)
     tokenizer = tokenizer_lib.for_run(loaded.run_dir, loaded.cfg, loaded.meta.get("run", {}).get("tokenizer"))
-    prompts = [tokenizer.encode(t) for t in texts]
+    stop = set()
+    if args.chat:
+        from spmd import chat
+
+        template = chat.ChatTemplate.load(tokenizer, args.chat_template)
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        rendered = [
+            template.render([*system, {"role": "user", "content": t}], add_generation_prompt=True)
+            for t in texts
+        ]
+        prompts = [tokenizer.encode_with_offsets(r)[0] for r in rendered]
+        stop = chat.stop_ids(tokenizer, template)
+        texts = [""] * len(texts)  # the reply alone is printed
+    else:
+        prompts = [tokenizer.encode(t) for t in texts]
     context = loaded.cfg.train.seq_len
     for text, p in zip(texts, prompts):
         if len(p) == 0:
@@ -84,6 +108,8 @@ def run(args, may_relaunch: bool = False) -> int:
             # Decode everything so far and print what is new: a character may span several tokens
             # (bytes of UTF-8, byte-fallback pieces); an incomplete one shows once it is whole.
             nonlocal shown
+            if new and new[-1] in stop:
+                return
             new.append(int(tokens_B[0]))
             text = completion(tokenizer, prompts[0], new)
             if not text.endswith("\ufffd") and text.startswith(shown):
@@ -92,16 +118,27 @@ def run(args, may_relaunch: bool = False) -> int:
                 shown = text
 
         sampler.generate(
-            prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_token=stream
+            prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, on_token=stream, stop=stop
         )
         text = completion(tokenizer, prompts[0], new)
         # A tokenizer whose decoding of a prefix is not a prefix of the whole: print it all again.
         sys.stdout.write((text[len(shown) :] if text.startswith(shown) else f"\n{texts[0]}{text}") + "\n")
     else:
-        outs = sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        outs = sampler.generate(
+            prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed, stop=stop
+        )
+        outs = [until_stop(out, stop) for out in outs]
         for i, (text, prompt, out) in enumerate(zip(texts, prompts, outs)):
             print(f"=== sample {i} ===\n{text}{completion(tokenizer, prompt, out)}")
     return 0
+
+
+def until_stop(ids, stop: set[int]):
+    """The tokens up to and including the first stop token."""
+    for i, t in enumerate(ids):
+        if int(t) in stop:
+            return ids[: i + 1]
+    return ids
 
 
 def completion(tokenizer, prompt_ids, new_ids) -> str:

@@ -1,0 +1,74 @@
+"""docs/finetune.md's recipe, run as written on the chat fixtures (a small Llama saved by
+transformers, with a chat template), sizes shrunk: import, prepare chat data, evaluate, full SFT
+under fsdp, evaluate again, sample with the template, export."""
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from test_chat import conversations
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "finetune.md"
+SCRIPTS = {
+    "spmd-ckpt": "ckpt",
+    "spmd-data": "data",
+    "spmd-eval": "eval",
+    "spmd-train": "train",
+    "spmd-sample": "sample",
+}
+SHRUNK = {  # the doc's sizes -> the fixture's (each must appear in the doc)
+    "--seq-len 2048": "--seq-len 128",
+    "train.seq_len=2048": "train.seq_len=128",
+    "train.global_batch_size=32": "train.global_batch_size=16",
+    "optimizer.learning_rate=2e-5": "optimizer.learning_rate=3e-3",
+    "--steps 500": "--steps 150",
+    "--mesh fsdp=8": "--mesh fsdp=8 --host-devices 8",
+}
+
+
+def recipe() -> list[list[str]]:
+    text = PAGE.read_text()
+    block = re.search(r"## The recipe.*?```bash\n(.*?)```", text, re.S).group(1)
+    for doc, test in SHRUNK.items():
+        assert doc in block, f"docs/finetune.md no longer says {doc!r}: update SHRUNK"
+        block = block.replace(doc, test)
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def test_the_recipe_runs_as_written(tmp_path):
+    model = tmp_path / "models" / "Llama-3.2-1B-Instruct"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "chat" / "llama-chat", model)
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(c) for c in conversations(600)) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    outputs = []
+    for argv in recipe():
+        script = ROOT / "scripts" / f"{SCRIPTS[argv[0]]}.py"
+        done = subprocess.run(
+            [sys.executable, str(script), *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=600, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{shlex.join(argv)}\n{done.stderr[-3000:]}"
+        outputs.append(done)
+
+    def loss(done):
+        return float(re.search(r"loss (\d+\.\d+) nats/token", done.stdout + done.stderr).group(1))
+
+    before, after = loss(outputs[2]), loss(outputs[4])
+    print(f"held-out loss before {before}, after {after}; reply {outputs[5].stdout.strip()!r}")
+    assert after < 0.5 * before, (before, after)
+    assert "trained on assistant" in outputs[1].stderr and "0 dropped" in outputs[1].stderr
+    records = [
+        json.loads(line) for line in (tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(0 < r["trained_tokens"] < 16 * 128 for r in records)
+    reply = outputs[5].stdout.strip()
+    assert re.fullmatch(r"\d+ \+ \d+ = \d+\.", reply), reply  # the trained format, ended at <|eot_id|>
+    exported = tmp_path / "hf" / "sft"
+    assert (exported / "chat_template.jinja").read_text() == (model / "chat_template.jinja").read_text()
+    assert (exported / "model.safetensors").is_file()
