@@ -23,6 +23,7 @@ options finds the same key in the manifest and does nothing.
 import collections
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -515,9 +516,19 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
                 toks = sum(w.tokens for w in writers.values())
                 seconds = max(time.perf_counter() - started, 1e-9)
                 bar.update(task, docs=docs, toks=toks, dps=docs / seconds, tps=toks / seconds)
+    except UserError as e:
+        # Raised by the pool's task thread reading the inputs, it carries that thread's frames,
+        # which hold the pool's queues: without them the pool can be collected (below).
+        raise e.with_traceback(None) from None
     finally:
         if pool is not None:
             pool.terminate()
+            pool.join()
+            # Its queues' semaphores are released when the pool is collected. Our commands end
+            # with os._exit (spmd.cli.common.exit_now), which runs no finalizers: collected here, an
+            # error's exit does not leave the resource tracker reporting them leaked.
+            pool = encoded_chunks = None
+            gc.collect()
     splits = {s: w.close() for s, w in writers.items()}
     return {
         "format": FORMAT,

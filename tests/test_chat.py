@@ -164,3 +164,39 @@ def test_chat_data_needs_segments_packing(chat_dir):
         UserError, match="chat data with a loss mask, which only data.packing = segments applies"
     ):
         make_batches(chat_cfg(chat_dir[0], "data.packing=concat"), None)
+
+
+def test_overlong_split_keeps_and_counts(tmp_path):
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(c) for c in conversations(40)) + "\n")
+    opts = prepare.Options(
+        tokenizer=str(FIXTURES / "llama3" / "tokenizer.json"), format="chat", seq_len=56, overlong="split"
+    )
+    manifest = prepare.prepare([str(tmp_path / "chats.jsonl")], str(tmp_path / "data"), opts, progress=False)
+    over = manifest["chat"]["overlong"]
+    assert over["dropped"] == 0 and 0 < over["split"] < 40 and manifest["documents"] == 40
+
+
+def test_cli_chat_errors_are_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
+    (tmp_path / "prompt.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
+    script = pathlib.Path(__file__).parent.parent / "scripts" / "data.py"
+    llama3 = str(FIXTURES / "llama3" / "tokenizer.json")
+    plain = str(FIXTURES.parent / "hf" / "llama" / "tokenizer.json")
+    cases = {
+        ("bad.jsonl", llama3): "line 1: message 0 has the unknown role 'bot'",
+        ("prompt.jsonl", llama3): "no assistant turn to train on",
+        ("prompt.jsonl", plain): "has no chat_template",
+    }
+    for (data, tok), message in cases.items():
+        done = subprocess.run(
+            [sys.executable, str(script), "prepare", str(tmp_path / data), "--format", "chat", "--tokenizer", tok,
+             "--out", str(tmp_path / "out"), "--quiet"],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and message in done.stderr
+        assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
