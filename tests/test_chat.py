@@ -150,7 +150,11 @@ def test_the_mask_reaches_the_loss_and_masked_training_equals_one_device(chat_di
 
     setup = assemble(cfg, "fsdp=1", "fsdp", devices=devices[:1])
     state = setup.trainer.init_state()
-    _, metrics = setup.trainer.train_step(state, setup.batches().train_batch(0))
+    batches = setup.batches()
+    _, counted = setup.trainer.eval_step(state["params"], batches.eval_batch(0))
+    held_out = np.stack([batches.val[r] for r in range(batches.global_batch_size)])[:, 4]
+    assert int(counted) == int(held_out.sum()) < held_out.size // 2  # evaluation counts the mask too
+    _, metrics = setup.trainer.train_step(state, batches.train_batch(0))
     assert int(metrics["tokens"]) == int(trained.sum())
 
     one, _, _ = run_training(cfg, "fsdp=1", "fsdp", 6, devices=devices[:1])
