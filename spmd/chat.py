@@ -68,6 +68,39 @@ def _environment():
     return env
 
 
+def tokenizer_config(tokenizer) -> dict:
+    """The tokenizer_config.json beside a tokenizer's file ({} where there is none)."""
+    tokenizer_file = getattr(tokenizer, "file", None)
+    path = pathlib.Path(tokenizer_file).with_name(TOKENIZER_CONFIG) if tokenizer_file else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not readable JSON ({e})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def special_tokens(config: dict) -> dict:
+    """bos_token, eos_token, ... as text, from a tokenizer_config.json's entries."""
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return special
+
+
+def end_of_text_id(tokenizer) -> int | None:
+    """The id transformers calls eos_token_id (tokenizer_config.json's eos_token), else the
+    tokenizer's own EOS."""
+    eos = special_tokens(tokenizer_config(tokenizer)).get("eos_token")
+    inner = getattr(tokenizer, "tokenizer", None)
+    found = inner.token_to_id(eos) if eos is not None and inner is not None else None
+    return found if found is not None else tokenizer.eos_id
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
     source: str  # the jinja text
@@ -81,18 +114,8 @@ class ChatTemplate:
         tokenizer_file = getattr(tokenizer, "file", None)
         config_path = pathlib.Path(tokenizer_file).with_name(TOKENIZER_CONFIG) if tokenizer_file else None
         own_file = pathlib.Path(tokenizer_file).with_name(TEMPLATE_FILE) if tokenizer_file else None
-        config = {}
-        if config_path is not None and config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, ValueError) as e:
-                raise UserError(f"{config_path} is not readable JSON ({e})") from None
-        special = {}
-        for name in SPECIAL_TOKENS:
-            value = config.get(name)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                special[name] = value
+        config = tokenizer_config(tokenizer)
+        special = special_tokens(config)
         if override:
             path = pathlib.Path(override).expanduser()
             try:

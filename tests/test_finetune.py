@@ -1,6 +1,7 @@
 """docs/finetune.md's recipe, run as written on the chat fixtures (a small Llama saved by
-transformers, with a chat template), sizes shrunk: import, prepare chat data, evaluate, full SFT
-under fsdp, evaluate again, sample with the template, export."""
+transformers, with a chat template), sizes shrunk and a local benchmark for the Hub's: import,
+prepare chat data, evaluate (held-out loss, lm-eval), full SFT under fsdp, evaluate again, sample
+with the template, export."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 from test_chat import conversations
+from test_harness import write_tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "finetune.md"
@@ -29,6 +31,7 @@ SHRUNK = {  # the doc's sizes -> the fixture's (each must appear in the doc)
     "optimizer.learning_rate=2e-5": "optimizer.learning_rate=3e-3",
     "--steps 500": "--steps 150",
     "--mesh fsdp=8": "--mesh fsdp=8 --host-devices 8",
+    "--tasks hellaswag,arc_easy --limit 200": "--tasks spmd_arith --include-path tasks",  # offline
 }
 
 
@@ -45,7 +48,9 @@ def test_the_recipe_runs_as_written(tmp_path):
     model = tmp_path / "models" / "Llama-3.2-1B-Instruct"
     shutil.copytree(ROOT / "tests" / "fixtures" / "chat" / "llama-chat", model)
     (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(c) for c in conversations(600)) + "\n")
+    write_tasks(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     outputs = []
     for argv in recipe():
         script = ROOT / "scripts" / f"{SCRIPTS[argv[0]]}.py"
@@ -59,15 +64,17 @@ def test_the_recipe_runs_as_written(tmp_path):
     def loss(done):
         return float(re.search(r"loss (\d+\.\d+) nats/token", done.stdout + done.stderr).group(1))
 
-    before, after = loss(outputs[2]), loss(outputs[4])
-    print(f"held-out loss before {before}, after {after}; reply {outputs[5].stdout.strip()!r}")
+    before, after = loss(outputs[2]), loss(outputs[5])
+    print(f"held-out loss before {before}, after {after}; reply {outputs[7].stdout.strip()!r}")
     assert after < 0.5 * before, (before, after)
     assert "trained on assistant" in outputs[1].stderr and "0 dropped" in outputs[1].stderr
     records = [
         json.loads(line) for line in (tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(0 < r["trained_tokens"] < 16 * 128 for r in records)
-    reply = outputs[5].stdout.strip()
+    for benchmark in (outputs[3], outputs[6]):  # lm-eval's table, before and after
+        assert re.search(r"\|spmd_arith *\|.*\|acc *\|", benchmark.stdout), benchmark.stdout
+    reply = outputs[7].stdout.strip()
     assert re.fullmatch(r"\d+ \+ \d+ = \d+\.", reply), reply  # the trained format, ended at <|eot_id|>
     exported = tmp_path / "hf" / "sft"
     assert (exported / "chat_template.jinja").read_text() == (model / "chat_template.jinja").read_text()

@@ -1,4 +1,5 @@
-"""`spmd-eval`: held-out loss, perplexity and bits per byte of a run's checkpoint, on any mesh."""
+"""`spmd-eval`: held-out loss, perplexity and bits per byte of a run's checkpoint, on any mesh; with
+`--tasks`, lm-eval benchmarks through spmd.harness."""
 
 import argparse
 import json
@@ -23,6 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate on --data prepared with another tokenizer than the run's (otherwise an error)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    bench = p.add_argument_group("benchmarks (lm-eval: pip install 'spmd-stack[lmeval]')")
+    bench.add_argument("--tasks", help="comma-separated lm-eval tasks or groups, e.g. hellaswag,arc_easy")
+    bench.add_argument("--limit", type=float, help="at most this many documents per task (a fraction if < 1)")
+    bench.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt [the task's own]")
+    bench.add_argument("--include-path", help="a folder of task YAML files besides lm-eval's own")
+    bench.add_argument("--batch-size", type=int, default=8, help="requests per forward pass [8]")
     return p
 
 
@@ -40,6 +47,8 @@ def run(args, may_relaunch: bool = False) -> int:
     from spmd import inference
     from spmd.errors import UserError
 
+    if args.tasks:
+        return benchmarks(args)
     if args.batches is not None and args.batches < 1:
         raise UserError(f"--batches must be positive, got {args.batches}")
     overrides = list(args.set) + ([f"data.path={args.data}", "data.sources=[]"] if args.data else [])
@@ -69,6 +78,36 @@ def run(args, may_relaunch: bool = False) -> int:
         )
         for name, loss in result.get("sources", {}).items():
             print(f"  source {name}: loss {loss:.4f} nats/token")
+    return 0
+
+
+def benchmarks(args) -> int:
+    """--tasks: lm-eval's evaluator on the run (spmd.harness)."""
+    from spmd.errors import UserError
+
+    if args.data or args.batches is not None:
+        raise UserError("--tasks evaluates benchmarks, not held-out data: drop --data and --batches")
+    if args.limit is not None and args.limit <= 0 or args.batch_size < 1:
+        raise UserError("--limit and --batch-size must be positive")
+    try:
+        from spmd import harness
+    except ImportError:
+        raise UserError("--tasks needs lm-eval: pip install 'spmd-stack[lmeval]'") from None
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    where = {"run_dir": args.run_dir, "step": args.step, "mesh": args.mesh, "rules": args.rules,
+             "overrides": tuple(args.set)}  # fmt: skip
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = harness.evaluate(where, tasks, limit, args.num_fewshot, args.include_path, args.batch_size)
+    if args.json:
+        print(
+            json.dumps(
+                {"results": results["results"], "n-samples": results.get("n-samples", {})}, default=str
+            )
+        )
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
     return 0
 
 
