@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from spmd import checkpoint as ckpt
-from spmd import goodput, hostmem, loop, runlock, spikes
+from spmd import goodput, hostmem, loop, oom, runlock, spikes
 from spmd.chat import TEMPLATE_FILE
 from spmd.config import config_from_json
 from spmd.data import data_tokenizer, data_tokenizer_record
@@ -280,15 +280,18 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     t0 = time.perf_counter()
     ledger.add("init", t0 - started)
     guard = spikes.SpikeGuard.for_config(tcfg, {"spikes": start.spikes})
+    device = setup.mesh.devices.flat[0]
     try:
-        if tcfg.on_spike == "skip":  # the step takes the spike threshold as an input
-            step_fn = (
-                trainer.guarded_step()
-                .lower(start.state, batches.train_batch(start.step), np.float32(np.inf))
-                .compile()
-            )
-        else:
-            step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+        with oom.as_error("the train step", device):
+            if tcfg.on_spike == "skip":  # the step takes the spike threshold as an input
+                step_fn = (
+                    trainer.guarded_step()
+                    .lower(start.state, batches.train_batch(start.step), np.float32(np.inf))
+                    .compile()
+                )
+            else:
+                step_fn = trainer.train_step.lower(start.state, batches.train_batch(start.step)).compile()
+        oom.check_fits(step_fn, "the train step", device)  # before it runs: nothing half done
     except BaseException:
         if writer is not None:
             writer.close()
@@ -357,7 +360,8 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         watchdog=watchdog, guard=guard, on_rollback=rollback,
     )  # fmt: skip
     try:
-        train_loop.run(start.state, start.step, tcfg.steps)
+        with oom.as_error("the train step", device):
+            train_loop.run(start.state, start.step, tcfg.steps)
     except MetricsWriteError as e:
         raise MetricsWriteError(f"{e}; {ckpt.kept_checkpoints(checkpointer.directory)}") from None
 
