@@ -227,8 +227,24 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids
     )
 
 
+def cudnn_attention(
+    q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, implementation="cudnn"
+):
+    """cuDNN's fused attention through `jax.nn.dot_product_attention` (GQA as it is: K kv heads
+    for N query heads). Packed documents go in as a dense (B, 1, T, S) segment mask, the form
+    that entry point takes. `implementation="xla"` runs the same call through XLA (the tests, on
+    hosts without cuDNN)."""
+    mask_B1TS = None
+    if segment_ids_BT is not None:
+        mask_B1TS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, is_causal=causal, implementation=implementation
+    )
+
+
 ATTENTION_IMPLS = {
     "xla": xla_attention,
+    "cudnn": cudnn_attention,
     "chunked": chunked_attention,
     "pallas": pallas_attention,
     # The same kernel in the block layout Mosaic (TPU) lowers; `pallas` and `auto` resolve to it on
@@ -245,6 +261,7 @@ def _local_flash(q_BTNH, k_BSKH, v_BSKH, tpu=False, **kw):
 
 LOCAL_IMPLS = {
     "xla": xla_attention,
+    "cudnn": cudnn_attention,
     "chunked": chunked_attention,
     "pallas": _local_flash,
     "pallas_tpu": functools.partial(_local_flash, tpu=True),

@@ -3,7 +3,9 @@ run is assembled (spmd.setup) into concrete values that the config, the plan and
 
 - `model.attention_impl = "auto"`: the Pallas flash kernel on GPU (Triton) and on TPU (Mosaic:
   `pallas_tpu`, the kernel's TPU block layout; `pallas` there means it too); on CPU chunked
-  attention (memory O(T)) from CHUNKED_FROM positions, plain XLA attention below.
+  attention (memory O(T)) from CHUNKED_FROM positions, plain XLA attention below. `cudnn` (cuDNN's
+  fused attention) only on NVIDIA GPUs with a 16-bit compute dtype; elsewhere an error that names
+  the alternatives.
 - The matmul library of CPU step programs (`cpu.matmul`, spmd/cpu_matmul.py): oneDNN or XLA's own.
 - XLA options of the CPU parameter initialiser and train step (below).
 - How a pure data-parallel step sums its gradients (`cpu.grad_reduce`, spmd/dataparallel.py).
@@ -64,8 +66,20 @@ class CpuConfig:
         return problems
 
 
-def attention(name: str, seq_len: int, platform: str) -> str:
-    """The implementation `model.attention_impl = name` runs as on `platform`."""
+def attention(name: str, seq_len: int, platform: str, dtype: str = "bfloat16") -> str:
+    """The implementation `model.attention_impl = name` runs as on `platform` with compute `dtype`."""
+    if name == "cudnn":
+        others = "xla, chunked, pallas or auto"
+        if platform not in ("gpu", "cuda"):
+            raise UserError(
+                f"model.attention_impl = cudnn is NVIDIA's cuDNN fused attention; this run's devices are "
+                f"{platform}: use {others}"
+            )
+        if dtype not in ("bfloat16", "float16"):
+            raise UserError(
+                f"model.attention_impl = cudnn runs in bfloat16 or float16, and model.dtype is {dtype}: set "
+                f"model.dtype=bfloat16, or use {others}"
+            )
     if platform == "tpu" and name in ("auto", "pallas"):
         return "pallas_tpu"
     if name == "auto":
@@ -137,7 +151,7 @@ def resolve(cfg, platform: str) -> Choices:
     return Choices(
         platform=platform,
         attention_requested=cfg.model.attention_impl,
-        attention=attention(cfg.model.attention_impl, cfg.train.seq_len, platform),
+        attention=attention(cfg.model.attention_impl, cfg.train.seq_len, platform, cfg.model.dtype),
         matmul=matmul(cfg.cpu.matmul, platform),
         grad_reduce=grad_reduce(cfg.cpu.grad_reduce, platform, jax.process_count()),
         init_options=dict(INIT_OPTIONS_CPU) if cpu else None,

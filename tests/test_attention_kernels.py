@@ -234,6 +234,44 @@ def test_tpu_layout_fp32_matches_reference(causal, groups, segments, T):
     check("flash_tpu", causal, groups, segments, T, jnp.float32)
 
 
+@pytest.mark.parametrize(
+    "causal,groups,segments,T", FP32, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in FP32]
+)
+def test_cudnn_path_matches_reference(causal, groups, segments, T):
+    """`cudnn` is jax.nn.dot_product_attention with our GQA layout and a dense segment mask; run
+    here through the same call's XLA implementation (no cuDNN on this host), forward and grads."""
+    rng = np.random.default_rng()
+    q, k, v, seg = inputs(rng, T, groups, jnp.float32, segments)
+    w_o = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w_o)
+
+    ours = functools.partial(
+        attention.cudnn_attention, causal=causal, segment_ids_BT=seg, implementation="xla"
+    )
+
+    def reference(q, k, v):
+        return attention_reference(q, k, v, causal=causal, segment_ids_BT=seg)[0]
+
+    assert rel_err(ours(q, k, v), reference(q, k, v)) <= 1e-5
+    grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    for name, g, r in zip("qkv", grads, jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)):
+        assert rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
+
+
+def test_cudnn_is_refused_where_it_cannot_run(devices):
+    from spmd import policy
+    from spmd.errors import UserError
+    from spmd.setup import assemble
+
+    assert policy.attention("cudnn", 2048, "gpu", "bfloat16") == "cudnn"
+    with pytest.raises(UserError, match="runs in bfloat16 or float16, and model.dtype is float32"):
+        policy.attention("cudnn", 2048, "gpu", "float32")
+    with pytest.raises(UserError, match="this run's devices are cpu: use xla, chunked, pallas or auto"):
+        assemble(load_config("tiny", ["model.attention_impl=cudnn"]), "fsdp=8", "fsdp")
+
+
 def test_block_sizes_are_validated():
     with pytest.raises(ValueError, match="power of two"):
         BlockSizes(block_q=48)
