@@ -9,8 +9,9 @@ in batches of one generation setting, and cuts each text at the first of its `un
 
 Tokens are encoded as lm-eval's `hf` model encodes them: without special tokens, a pair split
 after the context's own tokens, an empty context replaced by the end-of-text token (the
-tokenizer_config.json's eos_token, where it names one). Every process of a multi-process job runs
-the same requests (one SPMD program); lm-eval sees a single rank.
+tokenizer_config.json's eos_token, where it names one). In a multi-process job every process runs
+the same requests (one SPMD program, its inputs placed from the copy each process holds); lm-eval
+sees a single rank.
 
 lm-eval has no plugin discovery for models: `python -m spmd.harness ...` is lm-eval's own command
 line with this module imported (`--model spmd --model_args run_dir=DIR,mesh=fsdp=8`; a mesh of
@@ -175,6 +176,11 @@ class SpmdLM(TemplateLM):
             score, in_shardings=(plan.param_shardings, rows, rows, rows), out_shardings=plan.replicated
         )
 
+    def _place(self, rows_BT: np.ndarray) -> jax.Array:
+        """A host array every process holds whole, as a global array in the batch sharding."""
+        sharding = self.loaded.plan.batch_sharding
+        return jax.make_array_from_callback(rows_BT.shape, sharding, lambda index: rows_BT[index])
+
     def score_rows(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         """(summed log-probability, all greedy) of the last `n` tokens of each row given the ones
         before; rows sorted longest first, batched and padded to few shapes."""
@@ -189,8 +195,9 @@ class SpmdLM(TemplateLM):
                 whole, n = rows[k]
                 L = len(whole) - 1
                 tokens[r, :L], targets[r, :L] = whole[:-1], whole[1:]
-                mask[r, L - n : L] = 1
-            logprob, greedy = jax.device_get(self._score(self.loaded.params, tokens, targets, mask))
+                mask[r, L - min(n, L) : L] = 1  # a continuation longer than the window: its tail
+            placed = [self._place(x) for x in (tokens, targets, mask)]
+            logprob, greedy = jax.device_get(self._score(self.loaded.params, *placed))
             for r, k in enumerate(chunk):
                 out[k] = (float(logprob[r]), bool(greedy[r]))
         return out

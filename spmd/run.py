@@ -280,7 +280,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     t0 = time.perf_counter()
     ledger.add("init", t0 - started)
     guard = spikes.SpikeGuard.for_config(tcfg, {"spikes": start.spikes})
-    device = setup.mesh.devices.flat[0]
+    device = next(d for d in setup.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
     try:
         with oom.as_error("the train step", device):
             if tcfg.on_spike == "skip":  # the step takes the spike threshold as an input

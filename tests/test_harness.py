@@ -123,3 +123,15 @@ def test_spmd_eval_tasks_errors_are_one_line(run_dir, tmp_path):
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.startswith("error: no lm-eval task named 'no_such_task'")
     assert done.stderr.count("\n") == 1
+
+
+def test_a_continuation_longer_than_the_window_is_scored_on_its_tail(run_dir):
+    lm = harness.SpmdLM(str(run_dir), mesh="fsdp=8", batch_size=2, max_length=8)
+    continuation = " the quick brown fox jumps over the lazy dog and over the lazy dog again"
+    context_ids, continuation_ids = lm._encode_pair("What is", continuation)
+    assert len(continuation_ids) > 9
+    ((got, _),) = lm.loglikelihood(requests("loglikelihood", [("What is", continuation)]), disable_tqdm=True)
+    whole = (context_ids + continuation_ids)[-9:]
+    assert got == pytest.approx(
+        lm.score_rows([(whole, 8)])[0][0], rel=1e-6
+    )  # all 8 positions, all continuation
