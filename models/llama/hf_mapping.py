@@ -132,14 +132,12 @@ def export_architecture(cfg: LlamaConfig, base: dict | None) -> str:
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
 
 
-def hf_config(cfg: LlamaConfig, arch: str, base: dict | None, max_positions: int, dtype: str) -> dict:
-    """config.json for `cfg`: the imported config (when there was one) with every field we map
-    rewritten from `cfg`, in the same spelling (transformers 5's `rope_parameters` or the older
-    `rope_theta`/`rope_scaling`)."""
-    out = dict(base or {})
-    out.update(
+def decoder_fields(cfg, arch: str, model_type: str) -> dict:
+    """The config.json fields of a Llama-style decoder (Llama, Mistral, Qwen2, Qwen3 and their
+    MoE forms spell them alike), from a config of this family or one built on it."""
+    return dict(
         architectures=[arch],
-        model_type=ARCHITECTURES[arch],
+        model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         intermediate_size=cfg.d_ff,
@@ -152,6 +150,13 @@ def hf_config(cfg: LlamaConfig, arch: str, base: dict | None, max_positions: int
         tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_std,
     )
+
+
+def hf_config(cfg: LlamaConfig, arch: str, base: dict | None, max_positions: int, dtype: str) -> dict:
+    """config.json for `cfg`: the imported config (when there was one) with every field we map
+    rewritten from `cfg`, in the same spelling (transformers 5's `rope_parameters` or the older
+    `rope_theta`/`rope_scaling`)."""
+    out = {**(base or {}), **decoder_fields(cfg, arch, ARCHITECTURES[arch])}
     out.setdefault("max_position_embeddings", max_positions)
     scaling = None
     if cfg.rope_scaling == "llama3":

@@ -94,24 +94,8 @@ def export_architecture(cfg: Qwen3Config, base: dict | None) -> str:
 def hf_config(cfg: Qwen3Config, arch: str, base: dict | None, max_positions: int, dtype: str) -> dict:
     """config.json for `cfg`: the imported config (when there was one) with every field we map
     rewritten from `cfg`."""
-    out = dict(base or {})
-    out.update(
-        architectures=[arch],
-        model_type=ARCHITECTURES[arch],
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        initializer_range=cfg.init_std,
-        attention_bias=False,
-        use_sliding_window=False,
-    )
+    out = {**(base or {}), **llama.decoder_fields(cfg, arch, ARCHITECTURES[arch])}
+    out.update(attention_bias=False, use_sliding_window=False)
     out.setdefault("max_position_embeddings", max_positions)
     if "rope_parameters" in out or not base:
         out["rope_parameters"] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
