@@ -11,12 +11,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd.family import ADAPTER_PREFIX
 from spmd.logical import can_merge, constrain
 
 
-def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
+def adapter(module, weight: str):
+    """The low-rank adapter attached to `module`'s parameter `weight` (a callable x -> its update
+    of x's projection), or None: a model without adapters runs unchanged."""
+    return getattr(module, ADAPTER_PREFIX + weight, None)
+
+
+def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), lora=None):
     """Contract the last `n_in` axes of x with the first `n_in` axes of w (a parameter as stored,
-    cast here to x's dtype, the compute dtype), as one 2-D matmul.
+    cast here to x's dtype, the compute dtype), as one 2-D matmul; plus `lora(x)`, the update of
+    a low-rank adapter (x W + (alpha / r) x A B) when the weight has one.
 
     Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
     contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands, so we
@@ -24,6 +32,11 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq")):
     When the sequence is split over devices (context parallelism) flattening (B, T) would scatter
     each device's tokens across the merged axis, so the dot keeps the leading axes instead.
     """
+    y = _contract(x, w, n_in, lead_axes)
+    return y if lora is None else y + lora(x, n_in, lead_axes)
+
+
+def _contract(x, w, n_in: int, lead_axes):
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
     if not can_merge(lead_axes):
         return jax.lax.dot_general(
@@ -181,6 +194,7 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x_BTD):
-        gate_BTF = project(x_BTD, self.w_gate_DF[...])  # BTD,DF->BTF
-        up_BTF = project(x_BTD, self.w_up_DF[...])  # BTD,DF->BTF
-        return project(swiglu(gate_BTF, up_BTF), self.w_down_FD[...])  # BTF,FD->BTD
+        gate_BTF = project(x_BTD, self.w_gate_DF[...], lora=adapter(self, "w_gate_DF"))  # BTD,DF->BTF
+        up_BTF = project(x_BTD, self.w_up_DF[...], lora=adapter(self, "w_up_DF"))  # BTD,DF->BTF
+        h_BTF = swiglu(gate_BTF, up_BTF)
+        return project(h_BTF, self.w_down_FD[...], lora=adapter(self, "w_down_FD"))  # BTF,FD->BTD

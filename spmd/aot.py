@@ -411,6 +411,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "compile_seconds": compile_s,
         "per_device_bytes": {
             "params": state["params"],
+            **({"frozen_params": state["frozen_params"]} if state["frozen_params"] else {}),
             "optimizer_state": state["optimizer_state"],
             "gradients": state["gradients"],
             "arguments": mem.argument_size_in_bytes,

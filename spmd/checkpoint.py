@@ -528,6 +528,83 @@ def restore_params(directory: pathlib.Path, step: int, abstract_params) -> tuple
     return params, meta
 
 
+def restore_weights(directory: pathlib.Path, step: int, abstract_params, fresh, meta: dict | None = None):
+    """(the model's weights at a checkpoint, laid out as `abstract_params`, meta): its parameters,
+    or for a LoRA run (spmd.lora: its checkpoints hold adapters) its base with the adapters folded
+    in, W + (alpha / rank) A B. `abstract_params` is a model without adapters; `fresh(seed)` draws
+    it from a seed (the base of a LoRA run that did not start from a checkpoint)."""
+    from spmd import lora
+
+    if meta is None:
+        meta = check_meta(directory, step, read_meta(directory, step), ("run",))
+    run = meta.get("run", {})
+    cfg = run.get("config", {}).get("lora") or {}
+    if not cfg.get("rank"):
+        return restore_params(directory, step, abstract_params)
+    base = lora_base(run, abstract_params, fresh, f"checkpoint {directory}/{step}")
+    if cfg.get("base_dtype"):  # the weights the adapters were trained against
+        base = jax.tree.map(lambda x: x.astype(cfg["base_dtype"]).astype(x.dtype), base)
+    mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
+    adapters, meta = read_adapters(
+        directory, step, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    scale = float(cfg.get("alpha", 16.0)) / int(cfg["rank"])
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    folded = jax.jit(lambda a, b: lora.merged(lora.combine(a, b), scale), out_shardings=shardings)(
+        adapters, base
+    )
+    return folded, meta
+
+
+def read_adapters(directory: pathlib.Path, step: int, sharding) -> tuple[dict, dict]:
+    """(a LoRA checkpoint's adapters as saved, each whole with `sharding`, meta): they are small
+    (rank r), so every device may hold them."""
+    saved = {
+        k[len("params/") :]: v for k, v in saved_arrays(directory, step).items() if k.startswith("params/")
+    }
+    adapters = {}
+    for key, (shape, dtype) in saved.items():
+        *parents, name = key.split("/")
+        node = adapters
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return restore_params(directory, step, adapters)
+
+
+def restore_model(directory: pathlib.Path, step: int, plan, meta: dict | None = None):
+    """`restore_weights` for a plan of a model without adapters (evaluation, sampling, export)."""
+
+    def fresh(seed):
+        return jax.jit(lambda: plan.init_params(seed), out_shardings=plan.param_shardings)()
+
+    return restore_weights(directory, step, plan.abstract_params, fresh, meta)
+
+
+def lora_base(run: dict, abstract_params, fresh, where: str):
+    """A LoRA run's base weights (laid out as `abstract_params`) from what its checkpoint's `run`
+    record says: the checkpoint it started from (`init_from`, itself possibly a LoRA run), else
+    drawn from its train.seed."""
+    origin = run.get("init_from")
+    if not origin:
+        return fresh(int(run["config"].get("train", {}).get("seed", 0)))
+    try:
+        directory, step = locate(origin["path"])
+    except UserError:
+        raise UserError(
+            f"{where} holds LoRA adapters whose base weights were {origin['path']}, which is gone; "
+            f"restore that checkpoint to its place (the adapters alone are not the model)"
+        ) from None
+    return restore_weights(directory, step, abstract_params, fresh)[0]
+
+
+def frozen_base(trainer, meta: dict, where: str):
+    """A LoRA run's frozen base (`state["base"]`) for its checkpoint's `meta`, in lora.base_dtype."""
+    base = lora_base(meta.get("run", {}), trainer.abstract_weights, trainer.fresh_weights, where)
+    dtype = trainer.abstract_state["base"]
+    return jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), base, dtype)
+
+
 def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -> tuple[dict, dict]:
     manager = _manager(directory, read_only=True, partial=partial)
     try:
@@ -611,6 +688,9 @@ class Start:
     goodput: dict = dataclasses.field(default_factory=dict)  # the restored step's ledger (spmd.goodput)
     tokenizer: dict | None = None  # what the checkpoint it came from recorded of its tokenizer
     spikes: dict = dataclasses.field(default_factory=dict)  # the restored step's loss history (spmd.spikes)
+    # where the run's weights first came from (--init-from's record), kept across resumes: a LoRA
+    # run's base, and the Hugging Face origin export writes back to
+    init_from: dict | None = None
 
 
 def resume_or_init(
@@ -649,7 +729,7 @@ def resume_or_init(
             )
     if source is None and init_from:
         directory, step = locate(init_from)
-        params, meta = restore_params(directory, step, trainer.plan.abstract_params)
+        params, meta = restore_weights(directory, step, trainer.abstract_weights, trainer.fresh_weights)
         check_agrees(meta.get("run", {}).get("tokenizer"), tokenizer, f"checkpoint {directory}/{step}",
                      allow_tokenizer_change)  # fmt: skip
         params = trainer.plan.from_canonical(params, trainer.plan.param_shardings)
@@ -678,8 +758,10 @@ def resume_or_init(
                 f"run asks for {getattr(cfg.optimizer, key)!r}; its optimizer state cannot continue under another, so "
                 f"keep {saved_opt.get(key)!r}, or start from its parameters with --init-from and a new --run-dir"
             )
-    state, meta = restore(directory, step, trainer.abstract_state)
-    state = trainer.from_canonical(state)  # checkpoints hold the canonical layer order
+    state, meta = restore(directory, step, trainer.abstract_saved)
+    # checkpoints hold the canonical layer order, and a LoRA run's reference to its base
+    base = frozen_base(trainer, meta, f"checkpoint {directory}/{step}") if cfg.lora.enabled else None
+    state = trainer.from_canonical(state, base)
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)
     notes.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")
@@ -698,7 +780,7 @@ def resume_or_init(
     ledger = meta.get("goodput")
     return Start(
         state, step, notes, ledger if isinstance(ledger, dict) else {}, meta.get("run", {}).get("tokenizer"),
-        meta.get("spikes") if isinstance(meta.get("spikes"), dict) else {},
+        meta.get("spikes") if isinstance(meta.get("spikes"), dict) else {}, meta.get("run", {}).get("init_from"),
     )  # fmt: skip
 
 

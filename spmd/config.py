@@ -4,8 +4,8 @@ Each table of a config file belongs to the part of the stack that reads it: `[mo
 family (`model.family`, default llama: spmd.family), with its own tables where its config holds
 one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
 (spmd/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
-`[attention]` (context parallelism), `[pipeline]` (spmd/pipeline.py) and `[cpu]` (CPU tuning:
-spmd/policy.py). Keys a file leaves out take the defaults below. `--set
+`[attention]` (context parallelism), `[pipeline]` (spmd/pipeline.py), `[lora]` (low-rank
+adapters on a frozen base: spmd/lora.py) and `[cpu]` (CPU tuning: spmd/policy.py). Keys a file leaves out take the defaults below. `--set
 optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
 its new home.
 """
@@ -19,6 +19,7 @@ import typing
 from spmd import family as family_lib
 from spmd import presets as presets_lib
 from spmd.errors import UserError, closest
+from spmd.lora import LoRAConfig
 from spmd.metrics import MetricsConfig
 from spmd.optimizer import OptimizerConfig
 from spmd.pipeline import PipelineConfig
@@ -221,6 +222,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     cpu: CpuConfig = CpuConfig()
     metrics: MetricsConfig = MetricsConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @property
     def model_family(self) -> family_lib.ModelFamily:
@@ -240,6 +242,7 @@ SECTIONS = {
     "pipeline": PipelineConfig,
     "cpu": CpuConfig,
     "metrics": MetricsConfig,
+    "lora": LoRAConfig,
 }
 # Keys that moved to the table that owns them: old key -> its new home. In a config file or --set
 # an old key is an error naming the new one; a config saved by an older version (checkpoints,

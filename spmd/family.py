@@ -15,7 +15,8 @@ What a family gives the engine:
 - `Figures`: parameter and FLOP counts and the sizes cost models and planners read;
 - its KV cache for decoding;
 - its auxiliary losses by name (`Aux`), their weights and the metrics made of their statistics;
-- optionally a Hugging Face adapter (`HFAdapter`): config and tensor-name mappings.
+- optionally a Hugging Face adapter (`HFAdapter`): config and tensor-name mappings;
+- the projections LoRA may adapt (`lora_targets`).
 
 The engine reads a few settings of every family config by name: `vocab_size`, `d_model`,
 `n_layers`, `dtype` (compute), `param_dtype`, `remat` and `attention_impl`.
@@ -33,6 +34,9 @@ from spmd.errors import UserError, closest
 
 DEFAULT = "llama"
 BUILTIN = "spmd.models"
+# A low-rank adapter (spmd.lora) attached to a module's weight `w` is the module's attribute
+# ADAPTER_PREFIX + "w"; models find it with `adapter(module, "w")` (spmd.models.layers).
+ADAPTER_PREFIX = "lora_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +189,11 @@ class ModelFamily:
     place; spmd.platform decides). `cache_shardings(cfg, per_layer, sharding)`: the cache's
     structure with `sharding(logical axes)` at each array. `logical_axes`: names the family adds
     to the engine's, each with the engine name whose mapping it takes where a rules file does not
-    map it (None: replicated)."""
+    map it (None: replicated). `lora_targets`: the projections LoRA may adapt (spmd.lora), each
+    short name (q, k, v, o, gate, up, down) with the weight's attribute name in its module and how
+    many of its leading axes the projection contracts (the module passes `adapter(self, name)`
+    to `project`).
+    """
 
     name: str
     config_cls: type
@@ -199,6 +207,7 @@ class ModelFamily:
     aux_weights: Callable[[object], dict] = _no_aux
     aux_metrics: Callable[[dict, object], dict] = lambda sums, count: {}
     hf: HFAdapter | None = None
+    lora_targets: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def builtin() -> list[str]:

@@ -27,6 +27,7 @@ from spmd import family as family_lib
 from spmd import tokenizer as tokenizer_lib
 from spmd.errors import UserError, check_writable
 from spmd.family import HFTensor
+from spmd.lora import merged_config
 from spmd.sharding import path_str
 
 CONFIG = "config.json"
@@ -465,6 +466,21 @@ def import_hf(
             "tokenizer": copied}  # fmt: skip
 
 
+def _exported(path: str, step: int | None):
+    """(checkpoint directory, step, meta, run config) of what an export reads: `path`'s latest
+    committed step, or `step`."""
+    from spmd import checkpoint as ckpt
+    from spmd.config import config_from_json
+
+    directory, latest = ckpt.locate(path)
+    if step is not None:
+        if step not in ckpt.committed_steps(directory):
+            raise UserError(f"no committed checkpoint for step {step} in {directory}")
+        latest = step
+    meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
+    return directory, latest, meta, config_from_json(meta["run"]["config"])
+
+
 def export_hf(
     path: str,
     out: str,
@@ -473,25 +489,24 @@ def export_hf(
     mesh: str = "fsdp=-1",
     rules: str = "fsdp",
     max_shard_bytes: int = 5 * 10**9,
+    merge: bool = False,
 ) -> dict:
     """Write an HF directory (config.json, generation_config.json, safetensors shards of at most
     `max_shard_bytes` with their index, the run's tokenizer) from a checkpoint on any mesh.
-    Tensors are written in `dtype` (default: the parameters' own)."""
+    Tensors are written in `dtype` (default: the parameters' own). A LoRA run's model is its base
+    with the adapters merged in (always; `merge` says it was asked for, and refuses other runs)."""
     import shutil
 
     from safetensors.numpy import save_file
 
     from spmd import checkpoint as ckpt
-    from spmd.config import config_from_json
     from spmd.setup import assemble
 
-    directory, latest = ckpt.locate(path)
-    if step is not None:
-        if step not in ckpt.committed_steps(directory):
-            raise UserError(f"no committed checkpoint for step {step} in {directory}")
-        latest = step
-    meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
-    cfg = config_from_json(meta["run"]["config"])
+    directory, latest, meta, cfg = _exported(path, step)
+    if merge and not cfg.lora.enabled:
+        raise UserError(
+            f"--merge: {directory}/{latest} holds no LoRA adapters (lora.rank = 0); export it without --merge"
+        )
     origin = meta["run"].get("hf") or meta["run"].get("init_from", {}).get("hf") or {}
     mapping = adapter(cfg.model_family)
     arch = mapping.export_architecture(cfg.model, origin.get("config"))
@@ -505,8 +520,8 @@ def export_hf(
     config = mapping.hf_config(cfg.model, arch, origin.get("config"), cfg.train.seq_len, dtype)
     mapping.tensors(cfg.model)  # raises for what HF cannot express, before anything is read
 
-    setup = assemble(cfg, mesh, rules, optimizer=False, batch_size=0)
-    params, _ = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
+    setup = assemble(merged_config(cfg), mesh, rules, optimizer=False, batch_size=0)
+    params, _ = ckpt.restore_model(directory, latest, setup.plan, meta)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     named = hf_tensors(mapping, cfg.model, params, np_dtype)
 
@@ -557,3 +572,78 @@ def export_hf(
     note = mapping.export_note(cfg.model)
     return {"architecture": arch, "step": latest, "files": files, "tensors": len(named), "bytes": total,
             "capacity_note": note}  # fmt: skip
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def export_adapter(path: str, out: str, step: int | None = None, dtype: str | None = None) -> dict:
+    """Write a LoRA run's adapters as a `peft` adapter directory (adapter_config.json,
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` puts on the base model as
+    exported by export-hf from the run it started from."""
+    from safetensors.numpy import save_file
+
+    from spmd import checkpoint as ckpt
+    from spmd.lora import PREFIX
+
+    directory, latest, meta, cfg = _exported(path, step)
+    if not cfg.lora.enabled:
+        raise UserError(
+            f"{directory}/{latest} holds no LoRA adapters (lora.rank = 0); export its weights with export-hf --out DIR"
+        )
+    mapping = adapter(cfg.model_family)
+    tensors = mapping.tensors(cfg.model)
+    dtype = dtype or cfg.model.param_dtype
+    dest = pathlib.Path(out).expanduser()
+    _empty_destination(dest, "--out")
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    adapters, _ = ckpt.read_adapters(directory, latest, device)
+    flat = {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(adapters)}
+    named, modules = {}, set()
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    for key in sorted(k for k in flat if k.endswith("/a")):
+        at = key[: -len("/a")]
+        parent, name = at.rsplit("/", 1)
+        weight = f"{parent}/{name[len(PREFIX) :]}"
+        t = tensors[weight]
+        if not t.transpose or t.part is not None:  # not one nn.Linear of HF's per weight of ours
+            raise UserError(
+                f"{weight} is not one Linear layer in {cfg.model_family.name}'s HF model, which peft cannot "
+                f"adapt alike; export the merged model with export-hf --merge"
+            )
+        a, b = flat[key], flat[f"{at}/b"]
+        n = t.stacked
+        shape = (*a.shape[:-1], *b.shape[n + 1 :])
+        for idx, hf_name in hf_names(t, shape):
+            module = hf_name.removesuffix(".weight")
+            modules.add(module.rsplit(".", 1)[-1])
+            rank = a.shape[-1]
+            # HF's Linear computes x W^T with W (out, in): its update B_peft A_peft is ours, transposed.
+            named[f"base_model.model.{module}.lora_A.weight"] = a[idx].reshape(-1, rank).T.astype(np_dtype)
+            named[f"base_model.model.{module}.lora_B.weight"] = b[idx].reshape(rank, -1).T.astype(np_dtype)
+    origin = meta["run"].get("hf") or meta["run"].get("init_from", {}).get("hf") or {}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": cfg.lora.rank,
+        "lora_alpha": cfg.lora.alpha,
+        "lora_dropout": cfg.lora.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "base_model_name_or_path": origin.get("source"),
+    }
+    tmp = _temporary(dest)
+    if jax.process_index() == 0:
+        named = {k: np.ascontiguousarray(v) for k, v in sorted(named.items(), key=lambda kv: _natural(kv[0]))}
+        save_file(named, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_WEIGHTS).chmod(0o644)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    _sync(f"wrote {tmp}")
+    _publish(tmp, dest)
+    return {"step": latest, "tensors": len(named), "modules": sorted(modules), "rank": cfg.lora.rank}

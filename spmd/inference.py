@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd import checkpoint as ckpt
 from spmd.config import config_from_json
 from spmd.errors import UserError
+from spmd.lora import merged_config
 from spmd.mesh import axes_size
 from spmd.rules import load_rules
 from spmd.setup import Setup, assemble
@@ -69,7 +70,8 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
             )
         latest = step
     meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
-    cfg = config_from_json(meta["run"]["config"])
+    # A LoRA run is evaluated and sampled as its merged model: the adapters folded into the base.
+    cfg = merged_config(config_from_json(meta["run"]["config"]))
     setup = assemble(
         cfg,
         mesh_spec,
@@ -79,7 +81,7 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
         decoding=decoding,
         batch_size=batch if batch is not None else cfg.train.global_batch_size,
     )
-    params, meta = ckpt.restore_params(directory, latest, setup.plan.abstract_params)
+    params, meta = ckpt.restore_model(directory, latest, setup.plan, meta)
     params = setup.plan.from_canonical(params, setup.plan.param_shardings)  # checkpoints: canonical order
     return Loaded(setup, latest, meta, params, ckpt.run_dir_of(directory))
 

@@ -230,7 +230,7 @@ def _wait_quietly(tree) -> None:
 
 class EvalHook(Hook):
     """Held-out loss every `every` steps and at the end (not when preempted: the save comes first),
-    added to the step's record as eval_loss."""
+    added to the step's record as eval_loss; `evaluate(train state)`."""
 
     on_stop = False
     bucket = "eval"
@@ -239,9 +239,7 @@ class EvalHook(Hook):
         self.every, self.at_end, self.evaluate = every, bool(every), evaluate
 
     def __call__(self, info: StepInfo) -> None:
-        result = self.evaluate(
-            info.state["params"]
-        )  # a loss, or {"eval_loss": ..., "eval_loss/<source>": ...}
+        result = self.evaluate(info.state)  # a loss, or {"eval_loss": ..., "eval_loss/<source>": ...}
         info.extra.update(result if isinstance(result, dict) else {"eval_loss": result})
 
 

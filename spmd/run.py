@@ -89,9 +89,8 @@ def train(
     lock = runlock.acquire(run_dir)
     try:
         lost = prepare_run_dir(run_dir, start.step, overwrite, is_main)
-        resolved = describe_run(
-            setup, batches, run_dir, start.notes, is_main, init["record"] if init else None, recorded
-        )
+        origin = init["record"] if init else start.init_from
+        resolved = describe_run(setup, batches, run_dir, start.notes, is_main, origin, recorded)
         if is_main:
             keep_tokenizer(tokenizer, run_dir)
         if init and is_main:
@@ -107,7 +106,8 @@ def init_source(path: str) -> dict:
     (including the Hugging Face config it was imported from, for export)."""
     directory, step = ckpt.locate(path)
     run = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run",))["run"]
-    record = {"path": str(directory / str(step)), "step": step}
+    # absolute: a LoRA run finds its base there again when resumed from another working directory
+    record = {"path": str((directory / str(step)).resolve()), "step": step}
     origin = run.get("hf") or run.get("init_from", {}).get("hf")
     if origin:
         record["hf"] = origin
@@ -302,7 +302,11 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         log(f"compiled train step in {compile_seconds:.1f}s")
 
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
-    hooks = [loop.EvalHook(tcfg.eval_every, lambda params: evaluate_all(trainer, params, batches))]
+    hooks = [
+        loop.EvalHook(
+            tcfg.eval_every, lambda state: evaluate_all(trainer, trainer.model_params(state), batches)
+        )
+    ]
     metrics = None
     if is_main:
         metrics = loop.MetricsHook(
@@ -343,7 +347,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         target = before[-1]
         # past the batch of the spiking step (and those of earlier rollbacks) and N more
         position = batches.consumed_samples(spike.step) + tcfg.spike_skip_batches * tcfg.global_batch_size
-        state, meta = ckpt.restore(checkpointer.directory, target, trainer.abstract_state)
+        state, meta = ckpt.restore(checkpointer.directory, target, trainer.abstract_saved)
         skip = (position - int(meta["consumed_samples"])) // tcfg.global_batch_size
         batches.resume_at(target, position)
         counts = (guard.spikes, guard.rollbacks + 1, guard.first_anomaly)
@@ -353,7 +357,8 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         if is_main:
             log(f"rollback: {what}; restored step {target} and skipped {skip} batches of data "
                 f"(rollback {guard.rollbacks} of at most {tcfg.max_rollbacks})")  # fmt: skip
-        return trainer.from_canonical(state), target
+        base = ckpt.frozen_base(trainer, meta, "the rollback") if "base" in trainer.abstract_state else None
+        return trainer.from_canonical(state, base), target
 
     train_loop = loop.TrainLoop(
         step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax
 
-from spmd import hostmem, memory, policy
+from spmd import hostmem, lora, memory, policy
 from spmd import sharding as sharding_lib
 from spmd.config import Config, apply_overrides, load_config
 from spmd.errors import UserError
@@ -147,6 +147,8 @@ def assemble(
         batch = {"global_batch_size": B, "microbatches": 1}
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **batch))
         requested = dataclasses.replace(requested, train=dataclasses.replace(requested.train, **batch))
+    if cfg.lora.enabled:  # the model with low-rank adapters beside its targeted weights
+        family = lora.adapted_family(family, cfg.lora, cfg.train.seed)
     plan = sharding_lib.plan(
         family,
         cfg.model,
@@ -157,6 +159,11 @@ def assemble(
         cfg.train.microbatches,
         cfg.pipeline,
     )
+    if cfg.lora.enabled and plan.layer_order is not None:
+        raise UserError(
+            "[lora] does not run under a circular pipeline schedule; use pipeline.schedule = gpipe "
+            "or rules without a stage axis"
+        )
     return Setup(
         cfg=cfg,
         requested=requested,

@@ -1,7 +1,8 @@
 """Train state, the jitted train and eval steps, and the Trainer that ties them to a mesh.
 
 The train state is a plain pytree `{"params", "opt_state", "step"}` whose shardings come from the
-rules. The step takes and returns it with those shardings and donates the old one.
+rules. The step takes and returns it with those shardings and donates the old one. Under `[lora]`
+(spmd.lora) `params` holds the adapters alone and `base` the frozen weights, passed through.
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import context, cpu_matmul, dataparallel, memory
+from spmd import context, cpu_matmul, dataparallel, lora, memory
 from spmd import sharding as sharding_lib
 from spmd.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
@@ -103,14 +104,44 @@ class Trainer:
     # only by runs that use it (a oneDNN program is kept alive once made: spmd.cpu_matmul.keep)
     guarded_step: object = None
 
-    def to_canonical(self, state):
-        """The train state with its layer stacks in canonical order (what checkpoints hold): new
-        arrays under a circular pipeline's permuted storage, `state` itself otherwise."""
-        return self.plan.to_canonical(state, self.state_shardings)
+    def model_params(self, state) -> dict:
+        """The whole model's parameters in a train state: `params`, with the frozen `base` of a
+        LoRA run (spmd.lora) beside its adapters."""
+        return lora.combine(state["params"], state["base"]) if "base" in state else state["params"]
 
-    def from_canonical(self, state):
-        """The inverse of `to_canonical` (after a restore)."""
-        return self.plan.from_canonical(state, self.state_shardings)
+    def to_canonical(self, state):
+        """The train state as checkpoints hold it: its layer stacks in canonical order (new arrays
+        under a circular pipeline's permuted storage, the arrays themselves otherwise), without a
+        LoRA run's frozen base (the checkpoint refers to it: spmd.checkpoint.frozen_base)."""
+        saved = {k: v for k, v in state.items() if k != "base"}
+        return self.plan.to_canonical(saved, {k: self.state_shardings[k] for k in saved})
+
+    def from_canonical(self, state, base=None):
+        """The inverse of `to_canonical` (after a restore), with a LoRA run's `base` put back."""
+        state = self.plan.from_canonical(state, {k: self.state_shardings[k] for k in state})
+        return state if base is None else {**state, "base": base}
+
+    @functools.cached_property
+    def abstract_saved(self):
+        """`abstract_state` as checkpoints hold it (without a LoRA run's base): a restore target."""
+        return {k: v for k, v in self.abstract_state.items() if k != "base"}
+
+    @functools.cached_property
+    def abstract_weights(self):
+        """The weights a run starts from (`--init-from`): the model's parameters, or under [lora]
+        the base's (every parameter but the adapters), in the parameter dtype."""
+        return (
+            lora.split(self.plan.abstract_params)[1] if self.cfg.lora.enabled else self.plan.abstract_params
+        )
+
+    def fresh_weights(self, seed: int):
+        """`abstract_weights` drawn from `seed`, as a fresh run draws them."""
+        shardings = jax.tree.map(lambda x: x.sharding, self.abstract_weights)
+        init = self.plan.init_params
+        return jax.jit(
+            lambda: lora.split(init(seed))[1] if self.cfg.lora.enabled else init(seed),
+            out_shardings=shardings,
+        )()
 
     @functools.cached_property
     def abstract_state(self):
@@ -130,13 +161,14 @@ class Trainer:
         for x in jax.tree.leaves(opt):
             key = f"{jnp.dtype(x.dtype).name} {x.sharding.memory_kind or 'device'}"
             by[key] = by.get(key, 0) + sharding_lib.tree_bytes_per_device(x)
+        trained = self.abstract_state["params"]
         grads = jax.tree.map(
-            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-            self.plan.abstract_params,
-            self.update_shardings,
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), trained, self.update_shardings
         )
+        frozen = sharding_lib.tree_bytes_per_device(self.abstract_state.get("base", {}))
         return {
-            "params": self.plan.param_bytes_per_device,
+            "params": sharding_lib.tree_bytes_per_device(trained) + frozen,
+            "frozen_params": frozen,
             "gradients": sharding_lib.tree_bytes_per_device(grads),
             "optimizer_state": sum(by.values()),
             "optimizer_state_on_host": sum(v for k, v in by.items() if k.endswith(memory.HOST)),
@@ -155,17 +187,23 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
     (spmd.policy.Choices: matmul library, XLA options, how gradients are summed)."""
     mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
     tcfg = cfg.train
-    tx = make_optimizer(cfg.optimizer, tcfg.steps, decay_mask(plan), matrix_dims(plan))
+    adapted = cfg.lora.enabled
+    # What trains: every parameter, or under [lora] the adapters (the base is frozen: spmd.lora).
+    trained_of = (lambda tree: lora.split(tree)[0]) if adapted else (lambda tree: tree)
+    abstract_trained = trained_of(plan.abstract_params)
+    tx = make_optimizer(
+        cfg.optimizer, tcfg.steps, trained_of(decay_mask(plan)), trained_of(matrix_dims(plan))
+    )
     schedule = lr_schedule(cfg.optimizer, tcfg.steps)
 
-    opt_shapes = jax.eval_shape(tx.init, plan.abstract_params)
+    opt_shapes = jax.eval_shape(tx.init, abstract_trained)
     # The optimizer state follows its parameter's sharding, split further over the rules'
     # shard_optimizer_over axes (the sharded weight update); so does the update itself, below.
     # State that is not shaped like its parameter (Adafactor's factored rows and columns, step
     # counters) is replicated: it is small.
     opt_shardings = sharding_lib.like_params(
         opt_shapes,
-        plan.abstract_params,
+        abstract_trained,
         lambda leaf, p: (
             sharding_lib.update_sharding(rules, mesh, p.sharding, leaf.shape)
             if leaf.shape == p.shape
@@ -174,32 +212,46 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
         plan.replicated,
     )
     update_shardings = jax.tree.map(
-        lambda x, sh: sharding_lib.update_sharding(rules, mesh, sh, x.shape),
-        plan.abstract_params,
-        plan.param_shardings,
+        lambda x: sharding_lib.update_sharding(rules, mesh, x.sharding, x.shape), abstract_trained
     )
     # optimizer.offload: the state lives in host memory between steps and is streamed to the
     # device for the update (the moves are XLA's, from the memory kinds; spmd/memory.py).
     offload = cfg.optimizer.offload
     stored_opt_shardings = memory.host_shardings(opt_shardings) if offload else opt_shardings
+    trained_shardings = jax.tree.map(lambda x: x.sharding, abstract_trained)
     state_shardings = {
-        "params": plan.param_shardings,
+        "params": trained_shardings,
         "opt_state": stored_opt_shardings,
         "step": plan.replicated,
     }
+    base_dtype = jnp.dtype(cfg.lora.base_dtype or cfg.model.param_dtype)
+    if adapted:
+        state_shardings["base"] = lora.split(plan.param_shardings)[1]
 
     def init():
         params = plan.init_params(tcfg.seed)
-        return from_params(params)
+        return from_params(lora.split(params)[1] if adapted else params)
 
     def from_params(params):
+        """A fresh state from trained parameters; under [lora], from the base weights (the
+        adapters start fresh from the seed: B = 0, so the model starts as the base)."""
+        if adapted:
+            base = jax.tree.map(lambda x: x.astype(base_dtype), params)
+            trained = lora.split(plan.init_params(tcfg.seed))[0]  # the base's draws are dead code
+            return {
+                "params": trained,
+                "base": base,
+                "opt_state": tx.init(trained),
+                "step": jnp.zeros((), jnp.int32),
+            }
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
     family = plan.family
     aux_weights = family.aux_weights(cfg.model)
-    losses = jax.value_and_grad(
-        lambda params, batch: token_losses(
+
+    def losses_of(params, batch):
+        return token_losses(
             graphdef,
             params,
             batch,
@@ -207,19 +259,32 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
             mask_token_id=cfg.data.mask_token_id,
             seq_perm=seq_perm,
             aux_weights=aux_weights,
-        ),
-        has_aux=True,
-    )
+        )
+
+    losses = jax.value_and_grad(losses_of, has_aux=True)
     k = tcfg.microbatches
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
     # Pure data parallelism on CPU across processes: each device's gradient summed as one vector
     # (spmd/dataparallel.py); the model then traces per device, without activation constraints.
     dense = not family.aux_weights(cfg.model)
-    flat_axes = dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
+    flat_axes = (
+        None if adapted else dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
+    )
 
-    def grads_and_sums(params, batch: Batch):
+    def grads_and_sums(params, batch: Batch, base=None, key=None):
+        """Gradients of `params` (with the frozen `base` of a LoRA run beside them) and the sums;
+        `key`: the step's dropout key (LoRA), one per microbatch."""
+
+        def one(batch, i):
+            with lora.dropout_key(None if key is None else jax.random.fold_in(key, i)):
+                if base is None:
+                    return losses(params, batch)
+                return jax.value_and_grad(lambda p, b: losses_of(lora.combine(p, base), b), has_aux=True)(
+                    params, batch
+                )
+
         if k == 1:
-            (_, sums), grads = losses(params, batch)
+            (_, sums), grads = one(batch, 0)
             return grads, sums
 
         # Microbatch i takes rows i, i+k, i+2k, ...: the reshape keeps each device's rows on that
@@ -231,15 +296,15 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
 
         def accumulate(carry, microbatch):
             grads_acc, sums_acc = carry
-            (_, sums), grads = losses(params, microbatch)
+            (_, sums), grads = one(*microbatch)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
 
-        sums_shape = jax.eval_shape(lambda: losses(params, jax.tree.map(lambda x: x[::k], batch))[0][1])
+        sums_shape = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[::k], batch), 0)[0][1])
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         if flat_axes:  # per device in a shard_map: the carry varies over the data axes, as the sums do
             zero_sums = jax.lax.pcast(zero_sums, flat_axes, to="varying")
         zeros = (jax.tree.map(jnp.zeros_like, params), zero_sums)
-        (grads, sums), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jax.tree.map(split, batch), jnp.arange(k)))
         return grads, sums
 
     def train_step(state, batch: Batch, max_loss=None):
@@ -247,8 +312,13 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
             summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
             grads, (ce_sum, z_sum, count, aux) = summed(state["params"], batch)
         else:
+            key = None
+            if adapted and cfg.lora.dropout:
+                key = jax.random.fold_in(jax.random.key(tcfg.seed), state["step"])
             with plan.activate():
-                grads, (ce_sum, z_sum, count, aux) = grads_and_sums(state["params"], batch)
+                grads, (ce_sum, z_sum, count, aux) = grads_and_sums(
+                    state["params"], batch, state.get("base"), key
+                )
         grads = jax.tree.map(lambda g: g / count, grads)
         # Gradients are reduced to where the update runs: the parameters' sharding, or under a
         # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
@@ -281,7 +351,10 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
         }
         if spiked is not None:
             metrics["spiked"] = spiked.astype(jnp.int32)
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        if adapted:
+            new_state["base"] = state["base"]  # frozen, passed through (donated, so not copied)
+        return new_state, metrics
 
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
     return Trainer(

@@ -1,7 +1,8 @@
 """docs/finetune.md's recipe, run as written on the chat fixtures (a small Llama saved by
 transformers, with a chat template), sizes shrunk and a local benchmark for the Hub's: import,
 prepare chat data, evaluate (held-out loss, lm-eval), full SFT under fsdp, evaluate again, sample
-with the template, export."""
+with the template, export; then LoRA on the same data, evaluated, sampled and exported merged and as
+a peft adapter."""
 
 import json
 import os
@@ -29,6 +30,7 @@ SHRUNK = {  # the doc's sizes -> the fixture's (each must appear in the doc)
     "train.seq_len=2048": "train.seq_len=128",
     "train.global_batch_size=32": "train.global_batch_size=16",
     "optimizer.learning_rate=2e-5": "optimizer.learning_rate=3e-3",
+    "optimizer.learning_rate=2e-4": "optimizer.learning_rate=3e-2",
     "--steps 500": "--steps 150",
     "--mesh fsdp=8": "--mesh fsdp=8 --host-devices 8",
     "--tasks hellaswag,arc_easy --limit 200": "--tasks spmd_arith --include-path tasks",  # offline
@@ -72,6 +74,11 @@ def test_the_recipe_runs_as_written(tmp_path):
         json.loads(line) for line in (tmp_path / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(0 < r["trained_tokens"] < 16 * 128 for r in records)
+    lora_after = loss(outputs[10])  # LoRA: the base frozen, adapters of rank 16
+    print(f"LoRA: held-out loss {lora_after}")
+    assert lora_after < before - 0.2, (before, lora_after)
+    assert (tmp_path / "hf" / "lora-merged" / "model.safetensors").is_file()
+    assert (tmp_path / "hf" / "lora-adapter" / "adapter_model.safetensors").is_file()
     for benchmark in (outputs[3], outputs[6]):  # lm-eval's table, before and after
         assert re.search(r"\|spmd_arith *\|.*\|acc *\|", benchmark.stdout), benchmark.stdout
     reply = outputs[7].stdout.strip()

@@ -51,7 +51,7 @@ def test_hooks_run_on_their_own_schedule():
     calls, writer = [], Writer()
     evaluated = []
     hooks = [
-        loop.EvalHook(4, lambda params: evaluated.append(int(params)) or 2.5),
+        loop.EvalHook(4, lambda state: evaluated.append(int(state["params"])) or 2.5),
         loop.MetricsHook(3, 4, tokens_per_step=10, flops_per_token=6.0, peak_flops=1e9, writer=writer),
         Recorder(5, "ckpt", calls),
     ]
@@ -68,7 +68,7 @@ def test_a_stop_runs_the_save_but_not_the_eval():
     calls, writer = [], Writer()
     stop_after = iter([False, False, False, True])
     hooks = [
-        loop.EvalHook(3, lambda params: 0.0),
+        loop.EvalHook(3, lambda state: 0.0),
         loop.MetricsHook(100, 3, 10, 6.0, 1e9, writer=writer),
         Recorder(0, "ckpt", calls),
     ]
@@ -157,7 +157,7 @@ def test_goodput_ledger_puts_every_second_in_one_bucket():
     started = time.perf_counter()
     ledger = goodput.Ledger(started, carried={"compile": 5.0, "lost": 1.0, "productive": 2.0})
     hooks = [
-        loop.EvalHook(5, lambda params: time.sleep(0.1) or 1.0),
+        loop.EvalHook(5, lambda state: time.sleep(0.1) or 1.0),
         Save(5, "save", [], sleep=0.05),
         Recorder(1, "log", [], sleep=0.01),
     ]

@@ -4,7 +4,7 @@ Mixtral, dense or a mixture of experts ([moe]); Hugging Face import and export."
 from spmd.family import ModelFamily
 from spmd.models import decoder, moe
 from spmd.models.llama import hf_mapping
-from spmd.models.llama.model import Llama, LlamaConfig, count_params, figures, flops_per_token
+from spmd.models.llama.model import LORA_TARGETS, Llama, LlamaConfig, count_params, figures, flops_per_token
 
 __all__ = ["FAMILY", "Llama", "LlamaConfig", "count_params", "figures", "flops_per_token"]
 
@@ -20,4 +20,5 @@ FAMILY = ModelFamily(
     aux_weights=moe.aux_weights,
     aux_metrics=moe.aux_metrics,
     hf=hf_mapping.ADAPTER,
+    lora_targets=LORA_TARGETS,
 )

@@ -4,6 +4,7 @@ export."""
 
 from spmd.family import ModelFamily
 from spmd.models import decoder, moe
+from spmd.models.llama.model import LORA_TARGETS
 from spmd.models.qwen3 import hf_mapping
 from spmd.models.qwen3.model import Qwen3, Qwen3Config, figures
 
@@ -19,4 +20,5 @@ FAMILY = ModelFamily(
     aux_weights=moe.aux_weights,
     aux_metrics=moe.aux_metrics,
     hf=hf_mapping.ADAPTER,
+    lora_targets=LORA_TARGETS,
 )

@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB [5GB]")
     e.add_argument("--mesh", default="fsdp=-1", help="mesh to load the checkpoint onto [fsdp=-1]")
     e.add_argument("--rules", default="fsdp")
+    how = e.add_mutually_exclusive_group()
+    how.add_argument(
+        "--merge", action="store_true",
+        help="a LoRA run: its adapters folded into the base weights, one model for transformers (the default)",
+    )  # fmt: skip
+    how.add_argument(
+        "--adapter", action="store_true",
+        help="a LoRA run: its adapters alone, as a peft adapter directory for the base model",
+    )  # fmt: skip
     from spmd.distributed import add_flags
 
     for q in (i, v, r, e):
@@ -127,6 +136,13 @@ def inspect(args) -> int:
         print(f"  integrity: UNVERIFIED, its metadata has no {' and no '.join(ckpt.unverified(meta))}")
     if run.get("hf"):
         print(f"  imported from {run['hf']['source']} ({run['hf']['architecture']}): parameters only")
+    lora = run.get("config", {}).get("lora") or {}
+    if lora.get("rank"):
+        base = run["init_from"]["path"] if run.get("init_from") else "drawn from train.seed"
+        print(
+            f"  LoRA adapters (rank {lora['rank']}, alpha {lora.get('alpha')}, "
+            f"{', '.join(lora.get('targets') or [])}) on the frozen base {base}; the base is not in this checkpoint"
+        )
     elif run.get("init_from"):
         print(f"  parameters initialised from {run['init_from']['path']}")
     print(
@@ -178,7 +194,7 @@ def reshard(args) -> int:
     check_writable(dst, "reshard destination")
     if (dst / ckpt.SUBDIR / str(step)).exists():
         raise UserError(f"{dst / ckpt.SUBDIR / str(step)} already exists; pick another destination")
-    state, meta = ckpt.restore(directory, step, setup.trainer.abstract_state)
+    state, meta = ckpt.restore(directory, step, setup.trainer.abstract_saved)
     new = setup.to_json()
     meta["run"] = {**meta["run"], "mesh": new["mesh"], "rules": new["rules"], "devices": new["devices"]}
     writer = ckpt.Checkpointer(dst, setup.cfg.checkpoint)
@@ -245,7 +261,17 @@ def export_hf(args) -> int:
     from spmd import hf
     from spmd.sharding import fmt_bytes
 
-    done = hf.export_hf(args.run_dir, args.out, args.step, args.dtype, args.mesh, args.rules, max_shard_bytes)
+    if args.adapter:
+        done = hf.export_adapter(args.run_dir, args.out, args.step, args.dtype)
+        if not jax.process_index():
+            print(
+                f"exported the LoRA adapters of step {done['step']} (rank {done['rank']}, "
+                f"{', '.join(done['modules'])}): {done['tensors']} tensors -> {args.out}"
+            )
+        return 0
+    done = hf.export_hf(
+        args.run_dir, args.out, args.step, args.dtype, args.mesh, args.rules, max_shard_bytes, args.merge
+    )
     if jax.process_index():
         return 0
     if done["capacity_note"]:
