@@ -17,5 +17,6 @@ packages = [
 setup(
     packages=[*packages, *PRESETS],
     package_dir={**FOLDERS, **PRESETS},
-    package_data={name: ["*.toml"] for name in PRESETS},
+    # tuned.toml: the measured attention choices (spmd.kernels.tuning)
+    package_data={name: ["*.toml"] for name in [*PRESETS, "spmd.kernels"]},
 )

@@ -33,17 +33,33 @@ TPU_MIN_BLOCK = 128
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two). Sequences are padded up to a multiple of them."""
+    """Tile sizes (powers of two; sequences are padded up to a multiple of them) and, on GPU,
+    Triton's warps per program and software-pipeline stages (None: Triton's defaults)."""
 
     block_q: int = 64
     block_k: int = 64
     block_q_bwd: int = 32
     block_k_bwd: int = 32
+    num_warps: int | None = None
+    num_stages: int | None = None
 
     def __post_init__(self):
-        for name, value in dataclasses.asdict(self).items():
-            if value < 1 or value & (value - 1):
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"BlockSizes.{name} must be a power of two, got {value}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages must be positive, got {self.num_stages}")
+
+
+def _gpu_params(bs: BlockSizes, interpret):
+    """Triton's compiler parameters for the GPU kernels (None: its defaults, or interpret mode)."""
+    if interpret or (bs.num_warps is None and bs.num_stages is None):
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    params = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams  # older jax
+    return params(num_warps=bs.num_warps, num_stages=bs.num_stages)
 
 
 def attention_reference(q_BTNH, k_BSKH, v_BSKH, *, causal=True, segment_ids_BT=None, scale=None):
@@ -322,6 +338,7 @@ def flash_forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret, tpu=Fa
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
         interpret=interpret,
         name="flash_attention_fwd",
+        compiler_params=_gpu_params(bs, interpret),
     )(qp, kp, vp, segq, segk)
     return o[:, :T], lse[:, :, :T]
 
@@ -361,6 +378,7 @@ def flash_backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         interpret=interpret,
         name="flash_attention_dq",
+        compiler_params=_gpu_params(bs, interpret),
     )(
         qp,
         kp,
@@ -389,6 +407,7 @@ def flash_backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         interpret=interpret,
         name="flash_attention_dkv",
+        compiler_params=_gpu_params(bs, interpret),
     )(
         qp,
         kp,

@@ -11,9 +11,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from spmd.kernels import tuning
 from spmd.kernels.chunked_attention import chunked_attention
-from spmd.kernels.flash_attention import flash_attention
-from spmd.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, per_shard, provided, target_platform
+from spmd.kernels.flash_attention import BlockSizes, flash_attention
+from spmd.logical import (
+    KV_AXES,
+    Q_AXES,
+    TOKEN_AXES,
+    is_split,
+    per_shard,
+    provided,
+    target_device_kind,
+    target_platform,
+)
 
 # Causal self-attention in plain XLA runs as query blocks, each against the keys up to its end, so
 # the masked upper triangle of blocks is never computed: n blocks do (n+1)/2n of the full work.
@@ -210,17 +220,29 @@ def _softmax_attention_bwd(scale, res, dout_bQH):
 softmax_attention_cpu.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
+def tuned_blocks(q_BTNH) -> BlockSizes:
+    """The flash kernel's block sizes measured best for this shape on the target device kind
+    (spmd.kernels.tuning), else its defaults."""
+    measured = tuning.lookup(target_device_kind(), q_BTNH.dtype.name, q_BTNH.shape[-1], q_BTNH.shape[1])
+    return BlockSizes(**measured.blocks) if measured is not None and measured.blocks else BlockSizes()
+
+
 def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, tpu=False):
     """The Pallas flash kernel, run per device on its batch and head shards (GSPMD cannot split a
     kernel call itself). `tpu`: the kernel's TPU (Mosaic) block layout. Interpret mode where the
     devices it runs on (not this host's: a TPU topology's in a dry-run) are CPUs."""
     interpret = target_platform() == "cpu"
+    blocks = tuned_blocks(q_BTNH)
     if segment_ids_BT is None:
-        kernel = functools.partial(flash_attention, causal=causal, tpu=tpu, interpret=interpret)
+        kernel = functools.partial(
+            flash_attention, causal=causal, tpu=tpu, interpret=interpret, block_sizes=blocks
+        )
         return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q_BTNH, k_BSKH, v_BSKH)
 
     def kernel(q, k, v, seg):
-        return flash_attention(q, k, v, causal=causal, segment_ids_BT=seg, tpu=tpu, interpret=interpret)
+        return flash_attention(
+            q, k, v, causal=causal, segment_ids_BT=seg, tpu=tpu, interpret=interpret, block_sizes=blocks
+        )
 
     return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES, TOKEN_AXES), Q_AXES)(
         q_BTNH, k_BSKH, v_BSKH, segment_ids_BT

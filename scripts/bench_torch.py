@@ -27,8 +27,8 @@ class RMSNorm(nn.Module):
 def rope(x_BNTH, theta, positions_T=None):
     T, H = x_BNTH.shape[-2], x_BNTH.shape[-1]
     half = H // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float32) / half)
-    pos_T = torch.arange(T) if positions_T is None else positions_T
+    freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BNTH.device) / half)
+    pos_T = torch.arange(T, device=x_BNTH.device) if positions_T is None else positions_T
     angle = pos_T.to(torch.float32)[:, None] * freq[None, :]
     cos, sin = angle.cos(), angle.sin()
     x1, x2 = x_BNTH[..., :half], x_BNTH[..., half:]
@@ -74,6 +74,8 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.d_model)
         self.head = nn.Linear(a.d_model, a.vocab_size, bias=False)
+        if getattr(a, "tie_embeddings", False):  # the output head is the embedding table
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens):
         x = self.embed(tokens)

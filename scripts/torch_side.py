@@ -31,6 +31,7 @@ def model_args(s: dict) -> argparse.Namespace:
         head_dim=s["head_dim"],
         d_ff=s["d_ff"],
         rope_theta=s["rope_theta"],
+        tie_embeddings=s.get("tie_embeddings", False),
     )
 
 
@@ -38,21 +39,25 @@ def model_args(s: dict) -> argparse.Namespace:
 
 
 def train(s: dict):
+    """`device` "cuda": the model on the GPU, fused AdamW (PyTorch's fastest there)."""
     torch.manual_seed(0)
     a = model_args(s)
-    model = Decoder(a)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    device = s.get("device", "cpu")
+    model = Decoder(a).to(device)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda" or None
+    )
     bf16 = s["dtype"] == "bfloat16"
 
     def loss_of(tokens):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             logits = model(tokens[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, a.vocab_size), tokens[:, 1:].reshape(-1))
 
     if s["compile"]:  # the model and its loss (forward and, through AOTAutograd, backward)
         loss_of = torch.compile(loss_of)
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, a.vocab_size, (s["batch"], s["seq_len"] + 1), generator=g)
+    tokens = torch.randint(0, a.vocab_size, (s["batch"], s["seq_len"] + 1), generator=g).to(device)
     last = {}
 
     def step():

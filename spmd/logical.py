@@ -109,6 +109,12 @@ def per_device_program() -> bool:
     return current is None or current.mesh.size == 1
 
 
+def target_device_kind() -> str:
+    """The kind of the devices the traced program is for (`jax.Device.device_kind`)."""
+    current = _ACTIVE.get()
+    return (current.mesh.devices.flat[0] if current is not None else jax.devices()[0]).device_kind
+
+
 def target_platform() -> str:
     """The platform of the devices the traced program is for: the active mesh's (compile-only TPU
     devices in a dry-run), else JAX's default devices'."""

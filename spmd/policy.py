@@ -1,9 +1,12 @@
 """Platform policy: every choice that depends on the devices a run compiles for, made once when the
 run is assembled (spmd.setup) into concrete values that the config, the plan and the log share.
 
-- `model.attention_impl = "auto"`: the Pallas flash kernel on GPU (Triton) and on TPU (Mosaic:
-  `pallas_tpu`, the kernel's TPU block layout; `pallas` there means it too); on CPU chunked
-  attention (memory O(T)) from CHUNKED_FROM positions, plain XLA attention below. `cudnn` (cuDNN's
+- `model.attention_impl = "auto"`: on a GPU the implementation measured fastest on that device
+  kind for the nearest shape (spmd.kernels.tuning: cuDNN or the Pallas flash kernel), the flash
+  kernel where nothing was measured, or with packed documents (cuDNN takes them only as a dense
+  T x T mask); on TPU the flash kernel (Mosaic: `pallas_tpu`, the kernel's TPU block layout;
+  `pallas` there means it too); on CPU chunked attention (memory O(T)) from CHUNKED_FROM
+  positions, plain XLA attention below. `cudnn` (cuDNN's
   fused attention) only on NVIDIA GPUs with a 16-bit compute dtype; elsewhere an error that names
   the alternatives.
 - The matmul library of CPU step programs (`cpu.matmul`, spmd/cpu_matmul.py): oneDNN or XLA's own.
@@ -22,6 +25,7 @@ from spmd.cpu_matmul import CPU_MATMUL
 from spmd.dataparallel import GRAD_REDUCE
 from spmd.errors import UserError
 from spmd.hostmem import HOST_HEAP
+from spmd.kernels import tuning
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
 CHUNKED_FROM = 1024
@@ -66,8 +70,23 @@ class CpuConfig:
         return problems
 
 
-def attention(name: str, seq_len: int, platform: str, dtype: str = "bfloat16") -> str:
-    """The implementation `model.attention_impl = name` runs as on `platform` with compute `dtype`."""
+def attention(
+    name: str, seq_len: int, platform: str, dtype: str = "bfloat16", device_kind: str = "", head_dim: int = 0,
+    packed: bool = False,
+) -> str:  # fmt: skip
+    """The implementation `model.attention_impl = name` runs as on `platform` with compute `dtype`
+    (`auto_reason` says why auto chose it)."""
+    return _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed)[0]
+
+
+def auto_reason(
+    seq_len: int, platform: str, dtype: str, device_kind: str, head_dim: int, packed: bool
+) -> str:
+    """Why `auto` runs what it runs on these devices, for the log."""
+    return _attention("auto", seq_len, platform, dtype, device_kind, head_dim, packed)[1]
+
+
+def _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed) -> tuple[str, str]:
     if name == "cudnn":
         others = "xla, chunked, pallas or auto"
         if platform not in ("gpu", "cuda"):
@@ -81,12 +100,22 @@ def attention(name: str, seq_len: int, platform: str, dtype: str = "bfloat16") -
                 f"model.dtype=bfloat16, or use {others}"
             )
     if platform == "tpu" and name in ("auto", "pallas"):
-        return "pallas_tpu"
+        return "pallas_tpu", "the flash kernel on TPU"
     if name == "auto":
         if platform in GPU_PLATFORMS:
-            return "pallas"
-        return "chunked" if seq_len >= CHUNKED_FROM else "xla"
-    return name
+            if packed:
+                return "pallas", "packed documents (cuDNN would take them as a dense T x T mask)"
+            measured = tuning.lookup(device_kind, dtype, head_dim, seq_len)
+            if measured is None:
+                return (
+                    "pallas",
+                    f"not measured on {device_kind or 'this GPU'} in {dtype} (scripts/gpu_check.py)",
+                )
+            return measured.fastest, measured.why()
+        if seq_len >= CHUNKED_FROM:
+            return "chunked", f"CPU, {seq_len} >= {CHUNKED_FROM} positions"
+        return "xla", f"CPU, {seq_len} < {CHUNKED_FROM} positions"
+    return name, ""
 
 
 def matmul(setting: str, platform: str) -> str:
@@ -123,6 +152,7 @@ class Choices:
     init_options: dict | None
     train_options: dict | None
     kv_cache_per_layer: bool
+    attention_reason: str = ""  # why `auto` chose `attention` (for the log)
 
     def describe_attention(self) -> str:
         """For the log, e.g. "auto -> chunked (O(T) memory)"."""
@@ -133,7 +163,16 @@ class Choices:
             "pallas_tpu": " (interpret mode on CPU: slow, for tests)" if cpu else " (Mosaic)",
             "chunked": " (O(T) memory)",
         }.get(impl, "")
-        return (f"{self.attention_requested} -> {impl}" if self.attention_requested != impl else impl) + note
+        why = (
+            f"; {self.attention_reason}"
+            if self.attention_requested == "auto" and self.attention_reason
+            else ""
+        )
+        return (
+            (f"{self.attention_requested} -> {impl}" if self.attention_requested != impl else impl)
+            + note
+            + why
+        )
 
     def to_json(self) -> dict:
         return {
@@ -145,13 +184,19 @@ class Choices:
         }
 
 
-def resolve(cfg, platform: str) -> Choices:
-    """The choices of config `cfg` (spmd.config.Config) on devices of `platform`."""
+def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
+    """The choices of config `cfg` (spmd.config.Config) on devices of `platform` (and kind)."""
     cpu = platform == "cpu"
+    shape = (
+        cfg.train.seq_len, platform, cfg.model.dtype, device_kind,
+        cfg.model_family.figures(cfg.model, cfg.train.seq_len).head_dim, cfg.data.packing == "segments",
+    )  # fmt: skip
+    impl, reason = _attention(cfg.model.attention_impl, *shape)
     return Choices(
         platform=platform,
         attention_requested=cfg.model.attention_impl,
-        attention=attention(cfg.model.attention_impl, cfg.train.seq_len, platform, cfg.model.dtype),
+        attention=impl,
+        attention_reason=reason,
         matmul=matmul(cfg.cpu.matmul, platform),
         grad_reduce=grad_reduce(cfg.cpu.grad_reduce, platform, jax.process_count()),
         init_options=dict(INIT_OPTIONS_CPU) if cpu else None,

@@ -124,7 +124,7 @@ def assemble(
     device_mesh = build_mesh(mesh, dcn_mesh, devices)
     # Every platform choice made here, once, for the mesh's devices (compile-only TPU devices in a
     # dry-run, whatever this host is); the model and the steps get the concrete values.
-    choices = policy.resolve(requested, platform_of(device_mesh))
+    choices = policy.resolve(requested, platform_of(device_mesh), device_mesh.devices.flat[0].device_kind)
     cfg = dataclasses.replace(
         requested, model=dataclasses.replace(requested.model, attention_impl=choices.attention)
     )

@@ -275,6 +275,41 @@ def test_cudnn_is_refused_where_it_cannot_run(devices):
 def test_block_sizes_are_validated():
     with pytest.raises(ValueError, match="power of two"):
         BlockSizes(block_q=48)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        BlockSizes(num_warps=3)
+    with pytest.raises(ValueError, match="num_stages must be positive"):
+        BlockSizes(num_stages=0)
+
+
+def test_auto_on_a_gpu_runs_what_was_measured_fastest_there(monkeypatch, tmp_path):
+    """The measured table (kernels/tuned.toml): the nearest sequence length of the same device
+    kind, dtype and head dim decides; nothing measured, or packed documents: the flash kernel."""
+    from spmd import policy
+    from spmd.kernels import tuning
+
+    table = tuning.entries()
+    assert {e.device_kind for e in table} == {"NVIDIA H200"}
+    assert policy.attention("auto", 8192, "gpu", "bfloat16", "NVIDIA H200", 128) == "cudnn"
+    why = policy.auto_reason(6000, "gpu", "bfloat16", "NVIDIA H200", 128, False)
+    assert why.startswith("measured on NVIDIA H200 at T 8192, H 128: cudnn 464, pallas 168")
+    assert policy.attention("auto", 8192, "gpu", "float32", "NVIDIA H200", 128) == "pallas"
+    assert policy.attention("auto", 8192, "gpu", "bfloat16", "NVIDIA H100", 128) == "pallas"
+    assert "not measured on NVIDIA H100" in policy.auto_reason(
+        8192, "gpu", "bfloat16", "NVIDIA H100", 128, False
+    )
+    assert policy.attention("auto", 8192, "gpu", "bfloat16", "NVIDIA H200", 128, packed=True) == "pallas"
+    # What gpu_check.py writes reads back as it was, and the kernel takes its blocks.
+    tuned = tuning.Measured(
+        "cpu", "float32", 16, 64, "pallas", {"pallas": 1.0}, {"block_q": 16, "num_warps": 4}, "t"
+    )
+    path = tmp_path / "tuned.toml"
+    path.write_text(tuning.to_toml([tuned]))
+    assert tuning.entries(path) == (tuned,)
+    monkeypatch.setattr(tuning, "entries", lambda: (tuned,))
+    from spmd.models.attention import tuned_blocks
+
+    assert tuned_blocks(jnp.zeros((1, 48, 2, 16))) == BlockSizes(block_q=16, num_warps=4)
+    assert tuned_blocks(jnp.zeros((1, 48, 2, 32))) == BlockSizes()
 
 
 def test_selection():
