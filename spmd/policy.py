@@ -13,6 +13,7 @@ run is assembled (spmd.setup) into concrete values that the config, the plan and
 - XLA options of the CPU parameter initialiser and train step (below).
 - How a pure data-parallel step sums its gradients (`cpu.grad_reduce`, spmd/dataparallel.py).
 - The KV cache layout for decoding: one array per layer on CPU (spmd.models.decoder.KVCache).
+- The loss: the cross-entropy without a float32 copy of the logits (spmd.loss) on GPU and TPU.
 
 The platform is the mesh's: compile-only TPU devices in a dry-run, whatever this host is.
 """
@@ -100,7 +101,7 @@ def _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed) ->
                 f"model.dtype=bfloat16, or use {others}"
             )
     if platform == "tpu" and name in ("auto", "pallas"):
-        return "pallas_tpu", "the flash kernel on TPU"
+        return "pallas_tpu", ""
     if name == "auto":
         if platform in GPU_PLATFORMS:
             if packed:
@@ -153,6 +154,9 @@ class Choices:
     train_options: dict | None
     kv_cache_per_layer: bool
     attention_reason: str = ""  # why `auto` chose `attention` (for the log)
+    # the cross-entropy without a float32 copy of the logits (spmd.loss): on accelerators, where
+    # the logits' memory and passes count; CPU runs keep optax's (their pinned trajectories)
+    fused_loss: bool = False
 
     def describe_attention(self) -> str:
         """For the log, e.g. "auto -> chunked (O(T) memory)"."""
@@ -181,6 +185,7 @@ class Choices:
             "matmul": self.matmul,
             "grad_reduce": self.grad_reduce,
             "kv_cache_per_layer": self.kv_cache_per_layer,
+            "fused_loss": self.fused_loss,
         }
 
 
@@ -202,4 +207,5 @@ def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
         init_options=dict(INIT_OPTIONS_CPU) if cpu else None,
         train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
         kv_cache_per_layer=cpu,
+        fused_loss=not cpu,
     )

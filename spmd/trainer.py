@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd import context, cpu_matmul, dataparallel, lora, memory
 from spmd import sharding as sharding_lib
+from spmd.loss import cross_entropy
 from spmd.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
@@ -30,14 +31,17 @@ def batch_keys(cfg) -> tuple[str, ...]:
 
 
 def token_losses(
-    graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, aux_weights=None
-):
+    graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, aux_weights=None,
+    fused_loss: bool = False,
+):  # fmt: skip
     """Sums over the batch's counted tokens: (total loss, (cross-entropy, z-loss, count, aux sums)).
 
     `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
     model gets each token's true position, and the sums do not depend on the order.
     `aux_weights`: the weight of each of the model's auxiliary losses (spmd.family.Aux) in the
-    total; the aux sums hold each loss's mean times the count, and the model's statistics."""
+    total; the aux sums hold each loss's mean times the count, and the model's statistics.
+    `fused_loss`: the cross-entropy of spmd.loss (no float32 copy of the logits; the platform
+    policy's choice), else optax's on float32 logits."""
     inputs_BT, targets_BT, positions_BT, order_BT = batch["inputs"], batch["targets"], None, None
     # Packed documents (data.packing = segments): each token's document, its position in it (for
     # RoPE), and which targets count (not the first token of a document, predicted from the one
@@ -58,8 +62,12 @@ def token_losses(
     logits_BTV, _, aux = nnx.merge(graphdef, params).forward(
         inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
     )
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    lse_BT = None
+    if fused_loss:
+        ce_BT, lse_BT = cross_entropy(logits_BTV, targets_BT)
+    else:
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
     mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
     if loss_mask_BT is not None:
         mask_BT = mask_BT & (loss_mask_BT != 0)
@@ -67,7 +75,8 @@ def token_losses(
     ce_sum = jnp.sum(ce_BT * mask_BT)
     z_sum = jnp.zeros((), jnp.float32)
     if z_loss:
-        z_sum = z_loss * jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1)) * mask_BT)
+        lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1) if lse_BT is None else lse_BT
+        z_sum = z_loss * jnp.sum(jnp.square(lse_BT) * mask_BT)
     count = jnp.sum(mask_BT)
     if aux is None:
         return ce_sum + z_sum, (ce_sum, z_sum, count, {})
@@ -259,6 +268,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
             mask_token_id=cfg.data.mask_token_id,
             seq_perm=seq_perm,
             aux_weights=aux_weights,
+            fused_loss=choices.fused_loss,
         )
 
     losses = jax.value_and_grad(losses_of, has_aux=True)
@@ -400,6 +410,7 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
                 z_loss=0.0,
                 mask_token_id=cfg.data.mask_token_id,
                 seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]),
+                fused_loss=choices.fused_loss,
             )
         return ce_sum, count
 

@@ -79,7 +79,7 @@ def test_the_recipe_runs_as_written(tmp_path):
     assert lora_after < before - 0.2, (before, lora_after)
     assert (tmp_path / "hf" / "lora-merged" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "lora-adapter" / "adapter_model.safetensors").is_file()
-    for benchmark in (outputs[3], outputs[6]):  # lm-eval's table, before and after
+    for benchmark in (outputs[3], outputs[6], outputs[11]):  # lm-eval's table: before, after, LoRA
         assert re.search(r"\|spmd_arith *\|.*\|acc *\|", benchmark.stdout), benchmark.stdout
     reply = outputs[7].stdout.strip()
     assert re.fullmatch(r"\d+ \+ \d+ = \d+\.", reply), reply  # the trained format, ended at <|eot_id|>

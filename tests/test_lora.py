@@ -163,7 +163,10 @@ def test_adapter_checkpoints_resume_onto_their_base_and_export_for_peft(base_run
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     with pytest.raises(UserError, match="holds no LoRA adapters"):
         hf.export_adapter(str(base_run), str(tmp_path / "hf" / "y"))
-    if not TORCH_PYTHON.exists():
+    has_peft = (
+        TORCH_PYTHON.exists() and not subprocess.run([str(TORCH_PYTHON), "-c", "import peft"]).returncode
+    )
+    if not has_peft:
         pytest.skip("needs .venv-torch (Python 3.11 with torch, transformers, peft) for peft's side")
     np.save(tmp_path / "tokens_BT.npy", tokens_BT)
     done = subprocess.run(
