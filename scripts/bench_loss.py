@@ -9,7 +9,6 @@ sequence length over the topology's chips, rules fsdp, remat none).
 """
 
 import argparse
-import dataclasses
 import pathlib
 import sys
 
@@ -28,7 +27,6 @@ def main() -> None:
     from spmd.aot import peak_bytes
     from spmd.setup import assemble
     from spmd.sharding import fmt_bytes
-    from spmd.trainer import build_trainer
 
     devices = topology.devices(args.topology)
     print(f"{args.config} on {args.topology} ({len(devices)} chips), rules fsdp, remat none, bf16 compute\n")
@@ -39,9 +37,7 @@ def main() -> None:
         sets = [f"train.seq_len={T}", f"train.global_batch_size={B}", "model.remat=none"]
         setup = assemble(args.config, f"fsdp={len(devices)}", "fsdp", overrides=sets, devices=devices)
         for fused in (False, True):
-            trainer = build_trainer(
-                setup.cfg, setup.plan, dataclasses.replace(setup.choices, fused_loss=fused)
-            )
+            trainer = setup.with_choices(fused_loss=fused).trainer
             compiled = trainer.train_step.lower(
                 trainer.abstract_state, trainer.abstract_batch(B, T)
             ).compile()

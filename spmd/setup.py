@@ -53,6 +53,13 @@ class Setup:
             return self.trainer.eval_step
         return build_eval_step(self.cfg, self.plan, self.choices)
 
+    def with_choices(self, **changes) -> "Setup":
+        """This run with platform choices replaced (spmd.policy.Choices fields), its steps rebuilt:
+        how a benchmark or test compares two values of one choice, e.g. `fused_loss`."""
+        choices = dataclasses.replace(self.choices, **changes)
+        trainer = build_trainer(self.cfg, self.plan, choices) if self.trainer is not None else None
+        return dataclasses.replace(self, choices=choices, trainer=trainer)
+
     def batches(self, held_out: bool | None = None):
         """The run's data (spmd.data.Batches), laid out for this mesh and these rules; `held_out`:
         whether held-out batches will be drawn (default: train.eval_every > 0)."""

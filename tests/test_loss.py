@@ -1,8 +1,6 @@
 """The cross-entropy without a float32 copy of the logits (spmd.loss) against optax's on float32
 logits: values, logsumexp and gradients (through a z-loss too), and a train step built with it."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,6 @@ from conftest import run_training
 from spmd.config import load_config
 from spmd.loss import cross_entropy
 from spmd.setup import assemble
-from spmd.trainer import build_trainer
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -53,7 +50,7 @@ def test_a_train_step_with_the_fused_loss_trains_like_optax(devices):
     losses, _, _ = run_training(cfg, "fsdp=2", "fsdp", 4, devices=devices[:2])
     setup = assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2])
     assert not setup.choices.fused_loss  # CPU keeps optax's (the pinned trajectories)
-    trainer = build_trainer(setup.cfg, setup.plan, dataclasses.replace(setup.choices, fused_loss=True))
+    trainer = setup.with_choices(fused_loss=True).trainer
     state, batches, fused = trainer.init_state(), setup.batches(), []
     for step in range(4):
         state, metrics = trainer.train_step(state, batches.train_batch(step))
