@@ -52,7 +52,7 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_stages must be positive, got {self.num_stages}")
 
 
-def _gpu_params(bs: BlockSizes, interpret):
+def triton_params(bs: BlockSizes, interpret):
     """Triton's compiler parameters for the GPU kernels (None: its defaults, or interpret mode)."""
     if interpret or (bs.num_warps is None and bs.num_stages is None):
         return None
@@ -338,7 +338,7 @@ def flash_forward(q, k, v, seg, causal, scale, bs: BlockSizes, interpret, tpu=Fa
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
         interpret=interpret,
         name="flash_attention_fwd",
-        compiler_params=_gpu_params(bs, interpret),
+        compiler_params=triton_params(bs, interpret),
     )(qp, kp, vp, segq, segk)
     return o[:, :T], lse[:, :, :T]
 
@@ -378,7 +378,7 @@ def flash_backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         interpret=interpret,
         name="flash_attention_dq",
-        compiler_params=_gpu_params(bs, interpret),
+        compiler_params=triton_params(bs, interpret),
     )(
         qp,
         kp,
@@ -407,7 +407,7 @@ def flash_backward(q, k, v, seg, o, lse, do, dlse, causal, scale, bs: BlockSizes
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         interpret=interpret,
         name="flash_attention_dkv",
-        compiler_params=_gpu_params(bs, interpret),
+        compiler_params=triton_params(bs, interpret),
     )(
         qp,
         kp,

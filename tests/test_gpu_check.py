@@ -9,7 +9,7 @@ import sys
 from conftest import ROOT
 
 from spmd.kernels import tuning
-from spmd.kernels.flash_attention import BlockSizes, _gpu_params
+from spmd.kernels.flash_attention import BlockSizes, triton_params
 
 
 def test_gpu_check_runs_every_section_at_toy_sizes(tmp_path):
@@ -46,7 +46,7 @@ def test_gpu_check_runs_every_section_at_toy_sizes(tmp_path):
 
 
 def test_triton_gets_the_measured_warps_and_stages():
-    assert _gpu_params(BlockSizes(), interpret=False) is None  # Triton's defaults
-    assert _gpu_params(BlockSizes(num_warps=8), interpret=True) is None
-    params = _gpu_params(BlockSizes(num_warps=8, num_stages=3), interpret=False)
+    assert triton_params(BlockSizes(), interpret=False) is None  # Triton's defaults
+    assert triton_params(BlockSizes(num_warps=8), interpret=True) is None
+    params = triton_params(BlockSizes(num_warps=8, num_stages=3), interpret=False)
     assert (params.num_warps, params.num_stages) == (8, 3)
