@@ -1,3 +1,3 @@
 """Transformer model families in Flax NNX (spmd.models): each family a folder with its FAMILY
-(spmd.family), the layers and decoder they share beside them. Parameters carry logical axis
+(spmd.core.family), the layers and decoder they share beside them. Parameters carry logical axis
 names; no mesh code here."""

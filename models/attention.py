@@ -1,5 +1,5 @@
 """Attention implementations, selected by a model config's `attention_impl` (`auto` is resolved for
-the devices once, by spmd.policy, before a model is built).
+the devices once, by spmd.assembly.policy, before a model is built).
 
 Legend: B batch, T query positions, S key positions, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, Q = G * T (a kv head's queries, all groups),
@@ -11,10 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from spmd.kernels import tuning
-from spmd.kernels.chunked_attention import chunked_attention
-from spmd.kernels.flash_attention import BlockSizes, flash_attention
-from spmd.logical import (
+from spmd.core.logical import (
     KV_AXES,
     Q_AXES,
     TOKEN_AXES,
@@ -24,6 +21,9 @@ from spmd.logical import (
     target_device_kind,
     target_platform,
 )
+from spmd.kernels import tuning
+from spmd.kernels.chunked_attention import chunked_attention
+from spmd.kernels.flash_attention import BlockSizes, flash_attention
 
 # Causal self-attention in plain XLA runs as query blocks, each against the keys up to its end, so
 # the masked upper triangle of blocks is never computed: n blocks do (n+1)/2n of the full work.
@@ -190,7 +190,7 @@ def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     Autodiff of the forward kept fp32 copies of the unnormalised exponentials and of the
     broadcast 1/rowsum for the softmax's backward and converted p back to fp32. Here ds is rounded
     to the compute dtype before its two dots (as flash attention does), and the dots of dq, dk and
-    dv give the compute dtype, so that oneDNN runs them (spmd/cpu_matmul.py); the train steps are
+    dv give the compute dtype, so that oneDNN runs them (spmd/platform/cpu_matmul.py); the train steps are
     faster for it (figures: docs/performance.md). The gradients' error against an fp32 computation
     stays at the compute dtype's rounding (tests/test_attention_kernels.py)."""
     return _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, scale)[0]
@@ -207,7 +207,7 @@ def _softmax_attention_bwd(scale, res, dout_bQH):
     dtype = v_bSH.dtype
     # dq, dk, dv leave their dots in the compute dtype (accumulated in fp32 inside the dot, rounded
     # once), as they are returned; oneDNN takes such dots as they are, where an fp32 output would
-    # have it convert the operands to fp32 first (spmd/cpu_matmul.py). dp stays fp32 for ds.
+    # have it convert the operands to fp32 first (spmd/platform/cpu_matmul.py). dp stays fp32 for ds.
     dv_bSH = jnp.einsum("bQS,bQH->bSH", probs_bQS, dout_bQH)
     dp_bQS = jnp.einsum("bQH,bSH->bQS", dout_bQH, v_bSH, preferred_element_type=jnp.float32)
     p_bQS = probs_bQS.astype(jnp.float32)
@@ -297,7 +297,7 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None)
     Ulysses or all-gather) takes over; `positions_BT` (each token's index in the sequence, which
     may be permuted for load balance) then define the causal mask, and the ring's flash-kernel
     blocks are skipped or kept by comparing them. That implementation is handed in through the
-    seam (spmd/context.py provides it)."""
+    seam (spmd/parallel/context.py provides it)."""
     if is_split("seq"):
         return provided("context_attention")(
             q_BTNH,
@@ -330,7 +330,7 @@ def self_attention(
         if impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"attention implementation {impl!r}: `auto` is resolved for the devices when a run is "
-                f"assembled (spmd.setup); a model built by hand takes one of {', '.join(ATTENTION_IMPLS)}"
+                f"assembled (spmd.assembly.setup); a model built by hand takes one of {', '.join(ATTENTION_IMPLS)}"
             )
         out_BTNH = attend(
             q_BTNH, k_BTKH, v_BTKH, positions_BT if order_BT is None else order_BT, impl, segment_ids_BT

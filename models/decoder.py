@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmd.family import Aux
-from spmd.logical import constrain, is_split, provided
+from spmd.core.family import Aux
+from spmd.core.logical import constrain, is_split, provided
 
 REMAT_POLICIES = {
     "none": None,
@@ -33,7 +33,7 @@ REMAT_POLICIES = {
     # attention scores, which are batched over (B, K) and would cost O(T^2) to keep.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # The same residuals, moved to host memory after the forward and back for the backward
-    # (needs a backend that moves data between memories inside a program: spmd/memory.py).
+    # (needs a backend that moves data between memories inside a program: spmd/parallel/memory.py).
     "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
@@ -251,7 +251,7 @@ class Decoder(nnx.Module):
 
         side = (positions_BT, segment_ids_BT, order_BT)
         if cache is None and is_split("layers"):
-            # The layer stack is split over pipeline stages (spmd/pipeline.py).
+            # The layer stack is split over pipeline stages (spmd/parallel/pipeline.py).
             x_BTD, aux = provided("pipeline")(
                 stage_groups,
                 x_BTD,

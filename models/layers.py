@@ -2,7 +2,7 @@
 with logical axes, RMSNorm, RoPE and the SwiGLU MLP.
 
 Legend: B batch, T sequence, D embed (d_model), N query heads, H head dim, F mlp hidden.
-`cfg` is a model family's config (spmd.family): d_model, d_ff, init_std, param_dtype, norm_eps, ... .
+`cfg` is a model family's config (spmd.core.family): d_model, d_ff, init_std, param_dtype, norm_eps, ... .
 """
 
 import math
@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.family import ADAPTER_PREFIX
-from spmd.logical import can_merge, constrain
+from spmd.core.family import ADAPTER_PREFIX
+from spmd.core.logical import can_merge, constrain
 
 
 def adapter(module, weight: str):
@@ -44,7 +44,7 @@ def _contract(x, w, n_in: int, lead_axes):
         )
     x_MK, w_KN = x.reshape(math.prod(lead), -1), w.reshape(math.prod(w.shape[:n_in]), -1)
     # On CPU the backward's dots (x^T g contracts the tokens of both operands) go to oneDNN
-    # (spmd/cpu_matmul.py), which takes transposed operands as they are, in the compute dtype.
+    # (spmd/platform/cpu_matmul.py), which takes transposed operands as they are, in the compute dtype.
     return (x_MK @ w_KN.astype(x.dtype)).reshape(*lead, *out)
 
 
@@ -63,7 +63,7 @@ def param(rngs, cfg, shape, logical, std=None, compute_cast=True):
 
     `compute_cast`: whether the model casts it to the compute dtype where it uses it (then its
     gradient leaves the matmuls in that dtype, and is reduced across devices in it); declared for
-    the communication bound in spmd/aot.py, which reads it as the optimizer reads weight_decay."""
+    the communication bound in spmd/analysis/aot.py, which reads it as the optimizer reads weight_decay."""
     init = nnx.initializers.normal(cfg.init_std if std is None else std)
     value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
     return nnx.Param(value, out_sharding=logical, compute_cast=compute_cast)

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.family import Aux
-from spmd.logical import active, constrain, provided, target_platform
+from spmd.core.family import Aux
+from spmd.core.logical import active, constrain, provided, target_platform
 from spmd.models.layers import MLP, param, swiglu
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -77,7 +77,7 @@ class MoEConfig:
         return problems
 
 
-# The MoE layer's auxiliary outputs (spmd.family.Aux): its losses, weighted by the config's
+# The MoE layer's auxiliary outputs (spmd.core.family.Aux): its losses, weighted by the config's
 # coefficients, and the counts its metrics are made of.
 AUX_LOSSES = {"moe_aux_loss": "aux_loss_coef", "moe_router_z_loss": "router_z_loss_coef"}
 
@@ -217,7 +217,7 @@ def _experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD):
 
 def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
     """The dropless path: on one device the reference below; with sharding rules active, the
-    expert-parallel exchange handed in through the seam (spmd/expert_parallel.py), which runs the reference on
+    expert-parallel exchange handed in through the seam (spmd/parallel/expert_parallel.py), which runs the reference on
     each device's tokens and experts."""
     if active() is not None:
         return provided("dropless_moe")(

@@ -26,8 +26,8 @@ def cpu_memory(lengths):
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    from spmd.setup import assemble
-    from spmd.sharding import fmt_bytes
+    from spmd.assembly.setup import assemble
+    from spmd.parallel.sharding import fmt_bytes
 
     print("\n`tiny` train step (batch 1, 4 heads, fp32), compiled temporary memory per device:\n")
     print("| T | xla | chunked | xla / chunked |")

@@ -46,8 +46,8 @@ def main() -> None:
     import numpy as np
 
     jax.config.update("jax_platforms", "cpu")
-    from spmd import checkpoint as ckpt
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.io import checkpoint as ckpt
 
     setup = assemble(
         "small",
@@ -95,7 +95,7 @@ def main() -> None:
         restore_t.append(time.perf_counter() - t)
         shutil.rmtree(run_dir)
 
-    # Compression A/B, alternating: Orbax's default (zstd, what spmd.checkpoint wrote before) against
+    # Compression A/B, alternating: Orbax's default (zstd, what spmd.io.checkpoint wrote before) against
     # our writer (uncompressed); save to the commit, then restore; bytes on disk. On a state of
     # random normal values: a fresh state's zero Adam moments compress to nothing, trained ones don't.
     import orbax.checkpoint as ocp
@@ -140,7 +140,7 @@ def main() -> None:
             ab[name][2].append(sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file()))
             shutil.rmtree(run_dir)
 
-    # Checksums (spmd.checkpoint.checksums, part of every save and restore): their pass alone,
+    # Checksums (spmd.io.checkpoint.checksums, part of every save and restore): their pass alone,
     # alternating with a save, on the same random state.
     ckpt.checksums(state)  # compile
     sums, saves = [], []

@@ -30,9 +30,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from spmd import aot  # noqa: E402
-from spmd.setup import assemble  # noqa: E402
-from spmd.sharding import fmt_bytes  # noqa: E402
+from spmd.analysis import aot  # noqa: E402
+from spmd.assembly.setup import assemble  # noqa: E402
+from spmd.parallel.sharding import fmt_bytes  # noqa: E402
 
 MODEL = [
     "model.n_heads=8",

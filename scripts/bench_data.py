@@ -1,7 +1,7 @@
 """Data benchmarks: spmd-data prepare against the tokenizer library alone, and the data loader's
 share of a training step.
 
-1. Prepare throughput: tokens/s of `spmd.prepare.prepare` (--workers, reading .jsonl, writing
+1. Prepare throughput: tokens/s of `spmd.data.prepare.prepare` (--workers, reading .jsonl, writing
    shards) over tokens/s of `tokenizers`' own `encode_batch` on the same documents (in memory,
    nothing written), alternating A B A B; the median of the per-round ratios.
 2. Loader share: `small` with packed documents from a 3-source mixture; per step, the time to
@@ -48,7 +48,7 @@ def main() -> int:
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from spmd import prepare
+    from spmd.data import prepare
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_data-"))
     docs = corpus(args.megabytes)
@@ -91,7 +91,7 @@ def main() -> int:
     set_host_devices(args.host_devices)
     import jax
 
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     thirds = [docs[i::3] for i in range(3)]
     sources = []

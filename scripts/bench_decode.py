@@ -27,9 +27,9 @@ def main() -> None:
     import numpy as np
 
     jax.config.update("jax_platforms", "cpu")
-    from spmd.config import load_config
-    from spmd.inference import Loaded, Sampler
-    from spmd.setup import assemble
+    from spmd.assembly.config import load_config
+    from spmd.assembly.setup import assemble
+    from spmd.io.inference import Loaded, Sampler
 
     cfg = load_config(args.config)
     print(

@@ -5,9 +5,9 @@
 Writes a random Llama (d_model 2048, d_ff 5632, vocab 32000, fp32; ~1.3 GB at 4 layers) with
 `safetensors.numpy.save_file`, then alternates, A B A B:
 
-- import: `spmd.hf.import_hf` (read every tensor's shards from the files, place them, write the
+- import: `spmd.io.hf.import_hf` (read every tensor's shards from the files, place them, write the
   Orbax checkpoint) against `safetensors.numpy.load_file` of the same files (read only);
-- export: `spmd.hf.export_hf` (restore, gather to host, convert, write safetensors) against
+- export: `spmd.io.hf.export_hf` (restore, gather to host, convert, write safetensors) against
   `safetensors.numpy.save_file` of the same tensors (write only).
 
 Throughput is model bytes / wall seconds; the ratio is ours / the library's per pair, and the
@@ -72,7 +72,7 @@ def main() -> None:
     jax.config.update("jax_platforms", "cpu")
     from safetensors.numpy import load_file, save_file
 
-    from spmd import hf
+    from spmd.io import hf
 
     root = pathlib.Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)

@@ -1,5 +1,5 @@
 """The loss's memory on an accelerator, compiled not run: the train step with optax's
-cross-entropy on float32 logits against spmd.loss's (no float32 copy of the logits), for a TPU
+cross-entropy on float32 logits against spmd.training.loss's (no float32 copy of the logits), for a TPU
 topology through libtpu on this host.
 
     python scripts/bench_loss.py [--config llama-1b] [--topology v5p:2x2x1] [--shapes 8x2048,4x8192]
@@ -23,10 +23,10 @@ def main() -> None:
     p.add_argument("--shapes", default="8x2048,4x8192", help="global batch x sequence length, per row")
     args = p.parse_args()
 
-    from spmd import topology
-    from spmd.aot import peak_bytes
-    from spmd.setup import assemble
-    from spmd.sharding import fmt_bytes
+    from spmd.analysis import topology
+    from spmd.analysis.aot import peak_bytes
+    from spmd.assembly.setup import assemble
+    from spmd.parallel.sharding import fmt_bytes
 
     devices = topology.devices(args.topology)
     print(f"{args.config} on {args.topology} ({len(devices)} chips), rules fsdp, remat none, bf16 compute\n")
@@ -42,7 +42,7 @@ def main() -> None:
                 trainer.abstract_state, trainer.abstract_batch(B, T)
             ).compile()
             mem = compiled.memory_analysis()
-            name = "spmd.loss (bf16 logits kept)" if fused else "optax on float32 logits"
+            name = "spmd.training.loss (bf16 logits kept)" if fused else "optax on float32 logits"
             print(f"| {B} x {T} | {name} | {fmt_bytes(mem.temp_size_in_bytes)} | {fmt_bytes(peak_bytes(mem))} |",
                   flush=True)  # fmt: skip
 

@@ -4,7 +4,7 @@ device count on which each fits a per-device budget according to the compiled st
 
     python scripts/bench_memory.py [--budget-gib 80] [--max-devices 512]
 
-Everything is a dry-run (spmd.aot.dry_run: the train step compiled by XLA:CPU for fake
+Everything is a dry-run (spmd.analysis.aot.dry_run: the train step compiled by XLA:CPU for fake
 devices, nothing allocated), in one process holding `--max-devices` fake devices; each layout takes
 the first n of them. The presets' global batch and remat stay as they are, so the activations
 (temporaries) shrink as devices are added; the count searched is a power of two no larger than the
@@ -34,9 +34,9 @@ def main() -> None:
 
     import jax
 
-    from spmd.aot import dry_run
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.analysis.aot import dry_run
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     variants = {
         "adamw": [],

@@ -31,7 +31,7 @@ CASES = [  # (label, config, devices, mesh, rules, --set)
 def expert_bytes(config: str, mesh_spec: str, rules: str, devices: int) -> tuple[int, int]:
     import jax
 
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     plan = assemble(config, mesh_spec, rules, devices=jax.devices()[:devices], optimizer=False).plan
     experts = [p for p in plan.params if p.logical[:2] == ("layers", "expert")]
@@ -50,8 +50,8 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 64)
-    from spmd.metrics import measure_matmul_flops
-    from spmd.sharding import fmt_bytes
+    from spmd.loop.metrics import measure_matmul_flops
+    from spmd.parallel.sharding import fmt_bytes
 
     peak = measure_matmul_flops("bfloat16")
     print(f"measured bf16 matmul peak: {peak / 1e9:.0f} GFLOP/s\n")

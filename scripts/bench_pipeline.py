@@ -38,9 +38,9 @@ def main() -> None:
 
     import jax
 
-    from spmd.aot import dry_run
-    from spmd.setup import assemble
-    from spmd.sharding import fmt_bytes
+    from spmd.analysis.aot import dry_run
+    from spmd.assembly.setup import assemble
+    from spmd.parallel.sharding import fmt_bytes
 
     devices = jax.devices()
     base = ["model.n_layers=8", "train.global_batch_size=64"]

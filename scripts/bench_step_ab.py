@@ -57,9 +57,9 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from spmd import cpu_matmul
-    from spmd.errors import UserError
-    from spmd.setup import assemble, before_jax_starts
+    from spmd.assembly.setup import assemble, before_jax_starts
+    from spmd.core.errors import UserError
+    from spmd.platform import cpu_matmul
 
     # cpu.host_heap as spmd-train sets it (after jax_platforms, which it reads): without it
     # every window faults the steps' temporaries in again and the variants' ratios shrink.
@@ -77,7 +77,7 @@ def main() -> None:
             raise SystemExit(2) from None
         trainer, batches = setup.trainer, setup.batches()
         state, batch = trainer.init_state(), batches.train_batch(0)
-        # kept, as spmd/cpu_matmul.py keeps oneDNN programs (XLA can abort when one is freed)
+        # kept, as spmd/platform/cpu_matmul.py keeps oneDNN programs (XLA can abort when one is freed)
         step = cpu_matmul.keep(
             trainer.train_step.lower(state, batch).compile(compiler_options=options or None)
         )

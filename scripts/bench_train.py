@@ -35,7 +35,7 @@ def worker(args) -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     setup = assemble(args.config, args.mesh, args.rules, overrides=args.set)
     cfg, trainer, batches = setup.cfg, setup.trainer, setup.batches()
@@ -89,8 +89,8 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    from spmd.config import load_config
-    from spmd.metrics import MATMUL_N, measure_matmul_flops
+    from spmd.assembly.config import load_config
+    from spmd.loop.metrics import MATMUL_N, measure_matmul_flops
 
     cfg = load_config(args.config)
     m = cfg.model

@@ -89,7 +89,7 @@ def timed(fn, n: int) -> float:
 def jax_train(s: dict):
     import jax
 
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     setup = assemble(s["config"], "", "dp", overrides=s["set"], devices=jax.devices()[:1])
     trainer, batches = setup.trainer, setup.batches()
@@ -109,9 +109,10 @@ def jax_train(s: dict):
 def jax_attention(s: dict):
     import jax
 
-    from spmd import cpu_matmul, policy
+    from spmd.assembly import policy
     from spmd.kernels.chunked_attention import chunked_attention
     from spmd.models.attention import xla_attention
+    from spmd.platform import cpu_matmul
 
     B, T, N, K, H = s["B"], s["T"], s["N"], s["K"], s["H"]
     ks = jax.random.split(jax.random.key(0), 4)
@@ -144,9 +145,10 @@ def jax_moe(s: dict):
     import jax
     from flax import nnx
 
-    from spmd import cpu_matmul, policy
-    from spmd.config import load_config
+    from spmd.assembly import policy
+    from spmd.assembly.config import load_config
     from spmd.models.moe import MoE
+    from spmd.platform import cpu_matmul
 
     cfg = load_config("small-moe", [f"moe.dispatch={s['impl']}", "model.dtype=float32"]).model
     with nnx.use_eager_sharding(False):
@@ -187,8 +189,8 @@ def jax_checkpoint(s: dict):
     import jax
     import numpy as np
 
-    from spmd import checkpoint as ckpt
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.io import checkpoint as ckpt
 
     trainer = assemble("small", "", "dp", overrides=CKPT, devices=jax.devices()[:1]).trainer
     rng = np.random.default_rng(1)
@@ -229,9 +231,9 @@ def jax_decode(s: dict):
     import jax
     import numpy as np
 
-    from spmd.config import load_config
-    from spmd.inference import Loaded, Sampler
-    from spmd.setup import assemble
+    from spmd.assembly.config import load_config
+    from spmd.assembly.setup import assemble
+    from spmd.io.inference import Loaded, Sampler
 
     cfg = load_config("small", ["model.dtype=float32"])
     B = s["batch"]
@@ -261,8 +263,9 @@ def jax_dp(s: dict):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
-    from spmd import distributed, hlo
-    from spmd.setup import assemble
+    from spmd.analysis import hlo
+    from spmd.assembly.setup import assemble
+    from spmd.platform import distributed
 
     distributed.initialize(f"127.0.0.1:{s['port']}", s["world"], s["rank"])
     setup = assemble("small", f"data={s['world']}", "dp", overrides=dp_overrides(s))
@@ -308,13 +311,13 @@ def worker(spec: dict) -> None:
         "decode": lambda: (None, []),
         "dp": lambda: ("small", dp_overrides(spec)),
     }[kind]()
-    from spmd.setup import before_jax_starts
+    from spmd.assembly.setup import before_jax_starts
 
     # relaunching this worker under tbbmalloc where that is the choice (the same arguments, and the
     # pipes to the harness stay open across the exec)
     before_jax_starts(config, sets, may_relaunch=True)
     window = KINDS[kind](spec)
-    from spmd import hostmem
+    from spmd.platform import hostmem
 
     say({"ready": True, "jax": jax.__version__, "host_heap": hostmem.active()})
     for line in sys.stdin:
@@ -438,7 +441,7 @@ def model_spec(cfg) -> dict:
 
 
 def group_train(args, table):
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
 
     for name, sets, steps in (("small", [], args.steps), ("medium-dense", MEDIUM, max(3, args.steps // 3))):
         cfg = load_config("small", sets)
@@ -496,7 +499,7 @@ def group_attention(args, table):
 
 
 def group_moe(args, table):
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
 
     m = load_config("small-moe").model
     moe = m.moe
@@ -525,7 +528,7 @@ def group_moe(args, table):
 
 
 def group_checkpoint(args, table):
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
 
     cfg = load_config("small", CKPT)
     os.makedirs(args.dir, exist_ok=True)
@@ -548,7 +551,7 @@ def group_checkpoint(args, table):
 
 
 def group_decode(args, table):
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
 
     cfg = load_config("small")
     for batch in (1, 16):
@@ -572,7 +575,7 @@ def group_decode(args, table):
 
 
 def group_dp(args, table):
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
 
     cfg = load_config("small")
     base = {"world": 2, "steps": args.steps, "warmup": 3}
@@ -629,7 +632,7 @@ def main() -> None:
         choices=("system", "tbbmalloc"),
         default="system",
         help="PyTorch's malloc: glibc's as installed (default), or tbbmalloc preloaded as ours runs on CPU "
-        "(cpu.host_heap, spmd/hostmem.py): the same allocator on both sides",
+        "(cpu.host_heap, spmd/platform/hostmem.py): the same allocator on both sides",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -656,7 +659,7 @@ def main() -> None:
         raise SystemExit(2)
     args.lengths = [int(t) for t in args.lengths.split(",")]
     if args.torch_heap == "tbbmalloc":
-        from spmd import hostmem
+        from spmd.platform import hostmem
 
         libraries = hostmem.tbbmalloc_libraries()
         if libraries is None:

@@ -273,8 +273,8 @@ def train_rows(smoke: bool, torch_python: str | None, rounds: int, steps: int) -
     import jax
     import jax.numpy as jnp
 
-    from spmd.metrics import peak_flops
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.loop.metrics import peak_flops
 
     config = "tiny" if smoke else "llama-1b"
     shapes = ((4, 64),) if smoke else ((8, 2048), (2, 8192))

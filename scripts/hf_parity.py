@@ -24,10 +24,10 @@ def main(names: list[str]) -> None:
     import numpy as np
     from flax import nnx
 
-    from spmd import checkpoint as ckpt
-    from spmd import hf
-    from spmd.config import config_from_json
-    from spmd.setup import assemble
+    from spmd.assembly.config import config_from_json
+    from spmd.assembly.setup import assemble
+    from spmd.io import checkpoint as ckpt
+    from spmd.io import hf
 
     names = names or sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").is_file())
     print("| fixture | max abs logit difference, one device | on fsdp=2,tensor=2 | largest logit |")

@@ -8,7 +8,7 @@ Each case is TOPOLOGY=MESH (a mesh of 1 or 2 axes over all the slice's chips); f
 `shard_map` with `jax.lax.all_gather` and one with `jax.lax.psum_scatter` of a bf16 [4096, 14336]
 (a llama-8b MLP matrix) are compiled, and the table gives the collective the compiled HLO runs
 and its result shape. A gather or reduce-scatter that runs as an all-reduce sends twice the bytes
-(spmd.explain.AS_ALL_REDUCE), whatever the sharding rules say.
+(spmd.analysis.explain.AS_ALL_REDUCE), whatever the sharding rules say.
 """
 
 import argparse
@@ -23,11 +23,11 @@ DEFAULT = (
 
 
 def emitted(fn, arg, mesh) -> str:
-    """The collectives of the compiled HLO as spmd.hlo reads them (the TPU compiler's
+    """The collectives of the compiled HLO as spmd.analysis.hlo reads them (the TPU compiler's
     all-reduce-scatter fusion is a reduce-scatter), with each result's dims."""
     import jax
 
-    from spmd import hlo
+    from spmd.analysis import hlo
 
     items = hlo.collectives(jax.jit(fn).lower(arg).compile().as_text(), mesh)
     ops = [f"{c.kind} {'x'.join(map(str, c.shapes[0]))}" for c in items]
@@ -44,8 +44,8 @@ def main() -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from spmd import topology
-    from spmd.errors import UserError
+    from spmd.analysis import topology
+    from spmd.core.errors import UserError
 
     print("| topology | mesh | group | whole slice | all_gather compiles to | psum_scatter compiles to |")
     print("|---|---|---:|---|---|---|")

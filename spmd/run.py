@@ -4,7 +4,7 @@ It owns the run directory's lifecycle: where the run starts (its own latest chec
 run's with `resume_from`, another checkpoint's parameters with `init_from`, else fresh), the
 lock that keeps one trainer per directory, config.json and the tokenizer files, the loop and its
 hooks (evaluation, metrics, progress, checkpoints, a profile), preemption, the hang watchdog and
-the goodput ledger. `spmd-train` parses its flags, assembles the Setup (spmd.setup) and calls it;
+the goodput ledger. `spmd-train` parses its flags, assembles the Setup (spmd.assembly.setup) and calls it;
 tests and notebooks may call it in-process.
 
     setup = assemble("tiny", "fsdp=8", "fsdp")
@@ -20,19 +20,22 @@ import time
 import jax
 import numpy as np
 
-from spmd import checkpoint as ckpt
-from spmd import goodput, hostmem, loop, oom, runlock, spikes
-from spmd.chat import TEMPLATE_FILE
-from spmd.config import config_from_json
-from spmd.data import data_tokenizer, data_tokenizer_record
-from spmd.errors import UserError, log
-from spmd.hf import TOKENIZER_FILES
-from spmd.mesh import format_mesh
-from spmd.metrics import MetricsWriteError, MetricsWriter, check_backends, peak_flops
-from spmd.sharding import fmt_bytes, tree_bytes_per_device
-from spmd.tokenizer import run_file_name
-from spmd.trainer import evaluate_all
-from spmd.watchdog import Watchdog
+from spmd.analysis import oom
+from spmd.assembly.config import config_from_json
+from spmd.core.errors import UserError, log
+from spmd.core.mesh import format_mesh
+from spmd.data.chat import TEMPLATE_FILE
+from spmd.data.loader import data_tokenizer, data_tokenizer_record
+from spmd.data.tokenizer import run_file_name
+from spmd.io import checkpoint as ckpt
+from spmd.io.hf import TOKENIZER_FILES
+from spmd.loop import goodput, runlock, spikes
+from spmd.loop import train_loop as loop
+from spmd.loop.metrics import MetricsWriteError, MetricsWriter, check_backends, peak_flops
+from spmd.loop.watchdog import Watchdog
+from spmd.parallel.sharding import fmt_bytes, tree_bytes_per_device
+from spmd.platform import hostmem
+from spmd.training.trainer import evaluate_all
 
 
 @dataclasses.dataclass
@@ -58,7 +61,7 @@ def train(
     started: float | None = None,
     allow_tokenizer_change: bool = False,
 ) -> Result:
-    """Train `setup` (spmd.setup.assemble, with an optimizer) in `run_dir` up to train.steps.
+    """Train `setup` (spmd.assembly.setup.assemble, with an optimizer) in `run_dir` up to train.steps.
 
     The run starts from `resume_from` (a run dir or one step) when given, else from run_dir's
     latest committed checkpoint, else from the parameters of `init_from` (a path, or
@@ -203,7 +206,7 @@ def describe_run(
 ) -> dict:  # fmt: skip
     """Write config.json (the fully resolved run) and log what will run; returns the resolved run.
     `init_from`: where --init-from took the parameters (kept with every checkpoint's metadata).
-    `tokenizer`: what the run records of its tokenizer (spmd.tokenizer.record)."""
+    `tokenizer`: what the run records of its tokenizer (spmd.data.tokenizer.record)."""
     cfg, plan = setup.cfg, setup.plan
     T, B = cfg.train.seq_len, cfg.train.global_batch_size
     figures = plan.family.figures(cfg.model, T)
@@ -266,7 +269,7 @@ def describe_run(
 def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool, profile, lost: float,
           started: float) -> Result:  # fmt: skip
     """Compile the step, then run the loop with its hooks from `start` to train.steps, watched
-    (spmd.watchdog) and accounted (spmd.goodput)."""
+    (spmd.loop.watchdog) and accounted (spmd.loop.goodput)."""
     cfg, trainer = setup.cfg, setup.trainer
     tcfg = cfg.train
     if start.step >= tcfg.steps:

@@ -77,7 +77,7 @@ def devices():
 
 def run_training(cfg, mesh_spec: str, rules_name: str, steps: int, devices=None):
     """Train `steps` steps in-process; return (losses, params as host numpy, trainer)."""
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     setup = assemble(cfg, mesh_spec, rules_name, devices=devices)
     trainer, batches = setup.trainer, setup.batches()
@@ -102,7 +102,7 @@ def run_fresh(code: str) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
 
     return load_config("tiny")
 

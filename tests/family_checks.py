@@ -10,10 +10,12 @@ import numpy as np
 from conftest import run_training
 from test_hf import FIXTURES, assert_close_to, hf_tensors_of, load, logits
 
-from spmd import aot, hf, planner
-from spmd import checkpoint as ckpt
-from spmd.config import config_from_json, load_config
-from spmd.setup import assemble
+from spmd.analysis import aot
+from spmd.assembly import planner
+from spmd.assembly.config import config_from_json, load_config
+from spmd.assembly.setup import assemble
+from spmd.io import checkpoint as ckpt
+from spmd.io import hf
 
 # The layouts every family trains under (an MoE family adds expert parallelism).
 LAYOUTS = [
@@ -68,7 +70,7 @@ def exports_bit_exact(run_dir, name: str, out) -> None:
 
 def decodes_like_transformers(run_dir, name: str) -> None:
     """Greedy KV-cache decoding on fsdp=2 equals transformers' generate."""
-    from spmd.inference import Loaded, Sampler
+    from spmd.io.inference import Loaded, Sampler
 
     ref = np.load(FIXTURES / name / "reference.npz")
     directory, step = ckpt.locate(str(run_dir))

@@ -13,8 +13,8 @@ import signal
 import sys
 import threading
 
-from spmd import loop
 from spmd.cli.train import main
+from spmd.loop import train_loop as loop
 
 PROCESS = os.environ.get("SPMD_PROCESS_ID", "0")
 HANG_STEP = int(os.environ.get("HANG_STEP", -1))

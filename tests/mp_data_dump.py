@@ -8,13 +8,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from spmd import distributed  # noqa: E402
 from spmd.cli.common import env_host_devices, set_host_devices  # noqa: E402
+from spmd.platform import distributed  # noqa: E402
 
 out = pathlib.Path(sys.argv[1])
 set_host_devices(env_host_devices())
 distributed.initialize()  # the job spmd-launch describes in the environment
-from spmd.setup import assemble  # noqa: E402
+from spmd.assembly.setup import assemble  # noqa: E402
 
 batches = assemble("tiny", sys.argv[2], "fsdp", overrides=["train.global_batch_size=16"]).batches()
 rows = batches.local_rows

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import run_training
 
-from spmd import cpu_matmul
-from spmd import hlo as hlo_lib
-from spmd.config import load_config
+from spmd.analysis import hlo as hlo_lib
+from spmd.assembly.config import load_config
 from spmd.kernels.chunked_attention import chunked_attention_with_lse
 from spmd.kernels.flash_attention import BlockSizes, attention_reference, flash_attention_with_lse
 from spmd.models import attention
+from spmd.platform import cpu_matmul
 
 BLOCKS = BlockSizes(16, 16, 16, 16)
 IMPLS = {
@@ -89,7 +89,7 @@ def test_fp32_matches_reference(impl, causal, groups, segments, T):
 def test_chunked_compiled_with_onednn_matches_reference(T, chunk, causal, segments):
     """As the CPU train step compiles it (cpu.matmul=onednn): one tile, a partial last tile,
     and 8 x 8 tiles, where the kernel before this one got the key gradients 100x off (a dot over
-    all 1,024 queries times the scale, fused into oneDNN: spmd/cpu_matmul.py)."""
+    all 1,024 queries times the scale, fused into oneDNN: spmd/platform/cpu_matmul.py)."""
     rng = np.random.default_rng()
     q, k, v, seg = inputs(rng, T, 2, jnp.float32, segments, B=1, H=32)
     w_o = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
@@ -147,7 +147,7 @@ def test_cpu_attention_backward_matches_autodiff():
     backward): forward bit-identical to the plain form; in fp32 its gradients equal autodiff's to
     rounding; in bf16 their error against an fp32 computation stays at bf16 rounding (ds is rounded
     to bf16 before its dots, as flash attention does). Compiled as train steps are on CPU (dots in
-    oneDNN, spmd/cpu_matmul.py): no dot is left to Eigen, and dq, dk and dv leave their dots in
+    oneDNN, spmd/platform/cpu_matmul.py): no dot is left to Eigen, and dq, dk and dv leave their dots in
     bf16, where autodiff's dq and dk dots give fp32, which oneDNN runs on operands converted to fp32
     (the point of it)."""
     rng = np.random.default_rng()
@@ -261,9 +261,9 @@ def test_cudnn_path_matches_reference(causal, groups, segments, T):
 
 
 def test_cudnn_is_refused_where_it_cannot_run(devices):
-    from spmd import policy
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.assembly import policy
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     assert policy.attention("cudnn", 2048, "gpu", "bfloat16") == "cudnn"
     with pytest.raises(UserError, match="runs in bfloat16 or float16, and model.dtype is float32"):
@@ -284,7 +284,7 @@ def test_block_sizes_are_validated():
 def test_auto_on_a_gpu_runs_what_was_measured_fastest_there(monkeypatch, tmp_path):
     """The measured table (kernels/tuned.toml): the nearest sequence length of the same device
     kind, dtype and head dim decides; nothing measured, or packed documents: the flash kernel."""
-    from spmd import policy
+    from spmd.assembly import policy
     from spmd.kernels import tuning
 
     table = tuning.entries()
@@ -313,7 +313,7 @@ def test_auto_on_a_gpu_runs_what_was_measured_fastest_there(monkeypatch, tmp_pat
 
 
 def test_selection():
-    from spmd import policy
+    from spmd.assembly import policy
 
     assert policy.attention("auto", 64, "cpu") == "xla"
     assert policy.attention("auto", 4096, "cpu") == "chunked"
@@ -339,7 +339,7 @@ def test_model_trains_like_xla(single_device_run, devices, impl):
 def test_chunked_train_step_memory_grows_linearly(devices):
     """Compiled, not run: doubling T at most doubles (plus slack) the chunked step's temporaries,
     while xla attention's quadruple. Guards against residuals that bring back O(T^2)."""
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     def temp_bytes(impl, T):
         sets = [f"train.seq_len={T}", "train.global_batch_size=1", f"model.attention_impl={impl}"]

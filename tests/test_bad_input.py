@@ -18,7 +18,7 @@ FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A directory of bad files, and a small real run (an imported HF fixture) to point commands at."""
-    from spmd import hf
+    from spmd.io import hf
 
     d = tmp_path_factory.mktemp("bad")
     (d / "bad.toml").write_bytes(b"[model]\nd_model = 64 # \xff\xfe\n")
@@ -145,7 +145,7 @@ def test_a_cpu_host_with_libtpu_installed_gets_only_the_error_line(tmp_path):
     otherwise come before the one `error:` line (this bad rules preset is found once JAX runs)."""
     import os
 
-    from spmd import hostmem
+    from spmd.platform import hostmem
 
     pytest.importorskip("libtpu")
     if not hostmem.cpu_host(platforms=""):

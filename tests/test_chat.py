@@ -1,4 +1,4 @@
-"""Chat data (spmd.chat, spmd-data prepare --format chat): conversations rendered and tokenized
+"""Chat data (spmd.data.chat, spmd-data prepare --format chat): conversations rendered and tokenized
 exactly as transformers' apply_chat_template does (fixtures made by transformers:
 scripts/make_chat_fixtures.py), assistant-token masks equal to transformers' own, the mask stored
 and verified beside the shards, and masked training that counts only trained tokens and equals
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from conftest import run_training
 
-from spmd import chat, prepare
-from spmd import tokenizer as tokenizer_lib
-from spmd.config import load_config
-from spmd.data import make_batches
-from spmd.errors import UserError
+from spmd.assembly.config import load_config
+from spmd.core.errors import UserError
+from spmd.data import chat, prepare
+from spmd.data import tokenizer as tokenizer_lib
+from spmd.data.loader import make_batches
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat"
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
@@ -146,7 +146,7 @@ def test_the_mask_reaches_the_loss_and_masked_training_equals_one_device(chat_di
     tok = tokenizer_lib.load(str(directory / "tokenizer.json"))
     assert "<|start_header_id|>" not in tok.decode(targets[trained]) and "=" in tok.decode(targets[trained])
 
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     setup = assemble(cfg, "fsdp=1", "fsdp", devices=devices[:1])
     state = setup.trainer.init_state()

@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from spmd import checkpoint as ckpt
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.io import checkpoint as ckpt
 
 
 def setup(cfg, mesh_spec, rules, n_devices):
@@ -145,7 +145,7 @@ def test_restore_params_reads_only_the_parameters_onto_another_mesh(tiny_cfg, de
 
 
 def test_checkpoints_are_uncompressed_and_compressed_ones_still_restore(tiny_cfg, devices, tmp_path):
-    """We write without zstd (see spmd.checkpoint._manager); checkpoints written before, with
+    """We write without zstd (see spmd.io.checkpoint._manager); checkpoints written before, with
     Orbax's default compression, restore bit for bit."""
     import orbax.checkpoint as ocp
 
@@ -186,7 +186,7 @@ def test_resuming_with_another_param_dtype_is_an_error_naming_both(tiny_cfg, dev
 
 
 def test_replicated_shards_are_saved_whole_with_no_slice_program_per_device(devices, tmp_path, caplog):
-    """On CPU Orbax's replica-parallel saving is off (spmd.checkpoint._cpu_registry): with it, each
+    """On CPU Orbax's replica-parallel saving is off (spmd.io.checkpoint._cpu_registry): with it, each
     replicated shard was split among its 8 devices, a slice program compiled per device and shape."""
     import logging
 

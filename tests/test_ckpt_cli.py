@@ -8,7 +8,7 @@ import sys
 import pytest
 from test_cli import ROOT, spmd_train
 
-from spmd import checkpoint as ckpt
+from spmd.io import checkpoint as ckpt
 
 
 def spmd_ckpt(*args, env=None):
@@ -162,8 +162,8 @@ def test_single_flipped_bytes_never_load_silently(trained, tmp_path, fraction):
     import jax
     import numpy as np
 
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     setup = assemble("tiny", "fsdp=8", "fsdp")
     intact, _ = ckpt.restore_params(trained / "checkpoints", 10, setup.plan.abstract_params)
@@ -240,8 +240,8 @@ def test_edited_or_renamed_metadata_is_refused(trained, tmp_path):
     and metadata missing what resume needs are errors, not a quietly shifted data stream."""
     import json
 
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     setup = assemble("tiny", "fsdp=8", "fsdp")
     meta_file = "meta/metadata"
@@ -283,8 +283,8 @@ def test_metadata_without_its_digest_or_checksums_is_refused_unless_trusted(trai
     went unchecked."""
     import json
 
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     setup = assemble("tiny", "fsdp=8", "fsdp")
     root = tmp_path / "run" / ckpt.SUBDIR

@@ -65,7 +65,7 @@ ERROR_CASES = {
         ["--mesh", "data=2,context=4", "--rules", "cp_ulysses"],
         "ulysses context parallelism over context=4 splits the heads 4 ways",
     ),
-    # Pipeline parallelism (spmd/pipeline.py).
+    # Pipeline parallelism (spmd/parallel/pipeline.py).
     "layers indivisible by stages x repeats": (
         [
             "--mesh",
@@ -188,7 +188,7 @@ def test_trains_tiny_end_to_end(tmp_path):
 def test_a_directory_with_files_but_no_checkpoints_is_not_reused(tmp_path):
     """The run-dir checks spmd-train makes before it writes anything (in-process: the CLI turns
     these UserErrors into one `error:` line and exit 2, as test_bad_input checks)."""
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
     from spmd.run import prepare_run_dir
 
     (tmp_path / "notes.txt").write_text("mine")
@@ -314,7 +314,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_stops_training_with_one_error_and_keeps_earlier_checkpoints(small_disk):
-    from spmd import checkpoint as ckpt
+    from spmd.io import checkpoint as ckpt
 
     run_dir = small_disk / "run"
     result = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "12",
@@ -338,7 +338,7 @@ def test_a_full_disk_stops_training_with_one_error_and_keeps_earlier_checkpoints
 def test_a_diverged_run_stops_with_an_error_and_finite_checkpoints(tmp_path):
     """The issue's recipe for NaN (learning rate 1e6, no warmup, no clipping) used to train to the
     end with exit 0 and rotate out every finite checkpoint."""
-    from spmd import checkpoint as ckpt
+    from spmd.io import checkpoint as ckpt
 
     run_dir = tmp_path / "run"
     result = spmd_train("--config", "tiny", "--host-devices", "1", "--mesh", "fsdp=1", "--steps", "40",

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from test_dryrun import report
 
-from spmd import context, hlo
-from spmd.config import AttentionConfig
+from spmd.analysis import hlo
+from spmd.assembly.config import AttentionConfig
+from spmd.core.mesh import build_mesh
+from spmd.core.rules import load_rules
 from spmd.kernels import ring_attention as ring
 from spmd.kernels.flash_attention import attention_reference
-from spmd.mesh import build_mesh
 from spmd.models.attention import xla_attention
-from spmd.rules import load_rules
-from spmd.sharding import activate
+from spmd.parallel import context
+from spmd.parallel.sharding import activate
 
 MODES = {"ring": "cp_ring", "ulysses": "cp_ulysses", "allgather": "allgather"}
 
@@ -161,7 +162,7 @@ def test_zigzag_balances_causal_work():
 
 
 def _hlo(mesh, rules, *sets):
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     trainer = assemble("tiny", mesh, rules, overrides=sets).trainer
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch(8, 64)).compile().as_text()
@@ -225,9 +226,9 @@ def test_sequence_parallel_gathers_and_scatters_activations(devices):
 
 
 def test_errors_name_the_problem(devices):
-    from spmd.config import load_config
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.assembly.config import load_config
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     # tiny: 4 heads, 2 kv heads, T=64
     with pytest.raises(

@@ -1,4 +1,4 @@
-"""cpu.matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/cpu_matmul.py)."""
+"""cpu.matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/platform/cpu_matmul.py)."""
 
 import re
 import textwrap
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import run_fresh
 
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
 
 BF16 = ["model.dtype=bfloat16", "train.global_batch_size=4", "train.seq_len=32"]
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.M)
@@ -62,7 +62,8 @@ DROPPED_PROGRAMS = textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp
-    from spmd import cpu_matmul, policy
+    from spmd.platform import cpu_matmul
+    from spmd.assembly import policy
 
     x = jnp.ones((1024, 1024))
     fallbacks = 0
@@ -85,7 +86,7 @@ DROPPED_PROGRAMS = textwrap.dedent(
 
 def test_onednn_programs_may_be_dropped_while_they_run():
     """XLA aborts the process when a oneDNN program is freed as its execution ends (the fusion's
-    runtime is still out of its pool: spmd/cpu_matmul.py, KEPT_PROGRAMS); cpu_matmul.jit keeps
+    runtime is still out of its pool: spmd/platform/cpu_matmul.py, KEPT_PROGRAMS); cpu_matmul.jit keeps
     such programs. Without that, this test failed 5 of 5 runs, and a script like it aborted within
     1-19 programs of the first kind and 61-137 of the second (the suite's CI run aborted once, in a
     test that dropped its program while it ran)."""
@@ -98,7 +99,7 @@ def test_cpu_matmul_rejects_an_unknown_library():
 
 
 # XLA's other oneDNN mode, which fuses a dot's elementwise consumers into its oneDNN call
-# (spmd/cpu_matmul.py, _ONEDNN): what the tests below pin XLA computing wrong.
+# (spmd/platform/cpu_matmul.py, _ONEDNN): what the tests below pin XLA computing wrong.
 FUSED_DOTS = {
     "xla_cpu_use_onednn": True,
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
@@ -106,7 +107,7 @@ FUSED_DOTS = {
 
 
 def fused_dots_jit(fun):
-    from spmd import cpu_matmul
+    from spmd.platform import cpu_matmul
 
     return cpu_matmul.keep(jax.jit(fun, compiler_options=FUSED_DOTS))
 
@@ -115,9 +116,10 @@ def test_onednn_gets_the_flash_backward_right_with_individual_dots_and_wrong_wit
     """The flash kernel's causal backward (interpret mode): with oneDNN's fused dots XLA gives dq
     of zeros and a wrong dk; with the individual dots cpu.matmul=onednn asks for, the same
     gradient as XLA's own libraries, so Pallas programs use oneDNN like the rest. When the fused
-    form starts computing it right, the pin below fails: see spmd/cpu_matmul.py, _ONEDNN."""
-    from spmd import cpu_matmul, policy
+    form starts computing it right, the pin below fails: see spmd/platform/cpu_matmul.py, _ONEDNN."""
+    from spmd.assembly import policy
     from spmd.kernels.flash_attention import BlockSizes, flash_backward, flash_forward
+    from spmd.platform import cpu_matmul
 
     assert cpu_matmul.compiler_options(policy.matmul("onednn", "cpu")) is not None
     assert (
@@ -172,10 +174,10 @@ def test_model_gradients_with_onednn_equal_xlas(dtype, impl, moe):
     libraries.)"""
     from flax import nnx
 
-    from spmd import cpu_matmul
     from spmd.models.llama import Llama, LlamaConfig
     from spmd.models.moe import MoEConfig
-    from spmd.sharding import init_params
+    from spmd.parallel.sharding import init_params
+    from spmd.platform import cpu_matmul
 
     cfg = LlamaConfig(
         dtype=dtype, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384, attention_impl=impl,
@@ -234,7 +236,7 @@ def test_individual_onednn_dots_are_right_where_xla_gets_fused_ones_wrong(op, K,
     gets some of them wrong (pinned here, so that a fixed XLA shows); cpu_matmul.jit's programs
     call oneDNN for the dot alone and are right; and its guard (unsafe_onednn_fusions), given a
     program with fused dots, warns and compiles it with XLA's own libraries instead."""
-    from spmd import cpu_matmul
+    from spmd.platform import cpu_matmul
 
     f, args = _dot_then(op, K)
     truth = np.asarray(jax.jit(f)(*args))
@@ -268,8 +270,8 @@ def test_individual_onednn_dots_are_right_where_xla_gets_fused_ones_wrong(op, K,
 def test_chunked_attention_compiles_to_plain_onednn_dots():
     """The chunked kernel's dots run in oneDNN, each alone (no elementwise work fused in: what
     cpu.matmul=onednn asks XLA for), forward and backward over 4 tiles."""
-    from spmd import cpu_matmul
     from spmd.kernels.chunked_attention import chunked_attention
+    from spmd.platform import cpu_matmul
 
     q = jax.numpy.ones((1, 1024, 4, 32))
     k = v = jax.numpy.ones((1, 1024, 2, 32))

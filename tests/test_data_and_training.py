@@ -9,10 +9,10 @@ import pytest
 from conftest import run_training
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.config import load_config
-from spmd.data import make_batches, stdlib_corpus
-from spmd.errors import UserError
-from spmd.mesh import build_mesh
+from spmd.assembly.config import load_config
+from spmd.core.errors import UserError
+from spmd.core.mesh import build_mesh
+from spmd.data.loader import make_batches, stdlib_corpus
 
 
 def _batches(cfg, mesh_spec="data=8"):
@@ -82,7 +82,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_cfg, devices):
 
 
 def _one_step_metrics(cfg):
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     setup = assemble(cfg, "", "dp", devices=jax.devices()[:1])
     trainer, plan = setup.trainer, setup.plan
@@ -112,7 +112,7 @@ def test_loss_masking_and_z_loss(devices):
 def test_a_non_finite_step_leaves_the_state_unchanged(tiny_cfg, devices):
     """A NaN in the parameters makes the loss NaN: the jitted step skips the update (parameters,
     optimizer state bit-identical) and says so; a finite step after it is not skipped."""
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     setup = assemble(tiny_cfg, "fsdp=4,tensor=2", "fsdp_tp")
     trainer, batches = setup.trainer, setup.batches()
@@ -168,11 +168,11 @@ def test_a_mask_token_that_masks_every_target_is_refused(tmp_path):
 def test_cpu_copy_insertion_option_drops_the_moment_copies_and_changes_no_bit(
     n_devices, mesh, rules, overrides, monkeypatch
 ):
-    """spmd.policy.TRAIN_OPTIONS_CPU: on CPU, copy insertion with region analysis. The same
+    """spmd.assembly.policy.TRAIN_OPTIONS_CPU: on CPU, copy insertion with region analysis. The same
     program less copies: 3 steps give bit-identical states with and without it (one device, GSPMD,
     a pipeline's loops), and on one device the copies of the AdamW moments are gone."""
-    from spmd import policy
-    from spmd.setup import assemble
+    from spmd.assembly import policy
+    from spmd.assembly.setup import assemble
 
     def three_steps():
         setup = assemble(load_config("tiny", overrides), mesh, rules, devices=jax.devices()[:n_devices])

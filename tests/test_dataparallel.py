@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from spmd import dataparallel, hlo
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.analysis import hlo
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.parallel import dataparallel
 
 
 def test_flat_psum_is_the_psum_of_every_leaf_in_one_operand_per_dtype(devices):

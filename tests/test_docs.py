@@ -17,9 +17,11 @@ import sys
 
 import pytest
 
-from spmd import config as config_lib
-from spmd import mesh as mesh_lib
-from spmd import planner, presets, topology
+from spmd.analysis import topology
+from spmd.assembly import config as config_lib
+from spmd.assembly import planner
+from spmd.core import mesh as mesh_lib
+from spmd.core import presets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -6,8 +6,8 @@ import pytest
 from test_cli import ROOT  # noqa: F401  (path setup shared with the CLI tests)
 from test_inference import run_script
 
-from spmd import aot
-from spmd.setup import assemble
+from spmd.analysis import aot
+from spmd.assembly.setup import assemble
 
 V, D, L, N, K, H, F = 256, 64, 2, 4, 2, 16, 192
 MATRICES = 4 * (V * D + D * V + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F))
@@ -77,7 +77,7 @@ def _volume(r, kind, axes):
 
 
 def test_context_parallel_traffic_matches_the_analytic_minimum(devices):
-    """The model of what ring and all-gather attention send (spmd.aot.analytic_minimum) against the
+    """The model of what ring and all-gather attention send (spmd.analysis.aot.analytic_minimum) against the
     compiled step; both also all-reduce the gradients over `context`, whose devices see different tokens."""
     ring = report("context=8", "cp_ring")
     assert _volume(ring, "collective-permute", ("context",)) == ring["analytic_minimum_bytes"]["context"] > 0
@@ -108,7 +108,7 @@ def test_explain_attributes_tensor_parallel_traffic_to_its_rules(tmp_path):
     """--explain on tp: every collective over `tensor` is put down to a rule of the tp preset
     (heads/mlp partial sums, the split vocabulary, the regrouped attention heads); a deliberately
     bad rules file splitting `embed` over tensor shows its traffic under "embed -> tensor"."""
-    from spmd.rules import load_rules
+    from spmd.core.rules import load_rules
 
     tp = aot.dry_run(assemble("tiny", "data=4,tensor=2", "tp"), explain=True)["explain"]
     on_tensor = [r for r in tp["rules"] if "tensor" in r["rule"].split(" -> ")[1]]
@@ -138,8 +138,8 @@ def test_explain_finds_a_weight_gathered_in_a_transposed_layout():
     wv as (K, H, D)): --explain calls those weights gathered, by all-gather or (forward, or its
     recomputation) as an all-reduce of zero-padded shards; the same shape summed in the backward
     is not a gather."""
-    from spmd import explain
-    from spmd.hlo import Collective
+    from spmd.analysis import explain
+    from spmd.analysis.hlo import Collective
 
     setup = assemble("tiny", "fsdp=8", "fsdp")
     (wk,) = [p for p in setup.plan.params if p.path.endswith("wk_DKH")]
@@ -164,8 +164,8 @@ def test_a_replicating_reshard_becomes_a_report_line_naming_the_rules():
     """XLA's partitioner logs where it reshards a tensor only by replicating it; the dry-run
     (and spmd-plan, which runs it) turns the log line into a note naming the tensor, the two
     shardings and the rules that map onto the mesh axes involved."""
-    from spmd.aot import partitioner_replications
-    from spmd.rules import load_rules
+    from spmd.analysis.aot import partitioner_replications
+    from spmd.core.rules import load_rules
 
     line = (
         "W1204 14:49:56.109853 368 spmd_partitioner.cc:666] [SPMD] Involuntary full rematerialization. The "

@@ -15,10 +15,10 @@ from family_checks import (
 )
 from test_hf import FIXTURES
 
-from spmd import hf
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.io import hf
 
 
 @pytest.fixture(scope="module")

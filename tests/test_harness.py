@@ -1,4 +1,4 @@
-"""The lm-eval adapter (spmd.harness): log-likelihoods equal to what transformers computes on the
+"""The lm-eval adapter (spmd.io.harness): log-likelihoods equal to what transformers computes on the
 same imported model (fixture made by transformers: scripts/make_lmeval_fixture.py), on one device
 and sharded, and lm-eval's own evaluator running local task definitions through it (no network)."""
 
@@ -11,8 +11,8 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from spmd import harness, hf  # noqa: E402
-from spmd.errors import UserError  # noqa: E402
+from spmd.core.errors import UserError  # noqa: E402
+from spmd.io import harness, hf  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat"
 REFERENCE = json.loads((FIXTURES / "loglikelihood.json").read_text())

@@ -16,11 +16,11 @@ from safetensors.numpy import load_file, save_file
 from test_ckpt_cli import one_error_line, spmd_ckpt
 from test_cli import ROOT
 
-from spmd import checkpoint as ckpt
-from spmd import hf
-from spmd.config import config_from_json, load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.assembly.config import config_from_json, load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.io import checkpoint as ckpt
+from spmd.io import hf
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 NAMES = ["llama", "llama3", "mistral", "qwen2", "mixtral"]
@@ -86,7 +86,7 @@ def test_import_computes_transformers_logits_on_fsdp_tensor_mesh(imported, name)
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_greedy_decoding_equals_transformers_generate(imported, name):
-    from spmd.inference import Loaded, Sampler
+    from spmd.io.inference import Loaded, Sampler
 
     ref = np.load(FIXTURES / name / "reference.npz")
     directory, step = ckpt.locate(str(imported / name))
@@ -293,7 +293,7 @@ def test_cli_import_errors_are_one_line_and_write_nothing(tmp_path):
 MEMORY_PROBE = """
 import re, sys
 sys.path.insert(0, {root!r})
-from spmd import hf
+from spmd.io import hf
 hf.import_hf(sys.argv[1], sys.argv[2], mesh="fsdp=1", rules="dp")
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
 """
@@ -377,7 +377,7 @@ def test_sample_uses_the_imported_tokenizer(imported):
     run dir's tokenizer.json (here a word-level one: w<id>)."""
     from tokenizers import Tokenizer
 
-    from spmd.inference import Sampler, load
+    from spmd.io.inference import Sampler, load
 
     prompt = "w10 w20 w30"
     cmd = [sys.executable, str(ROOT / "scripts" / "sample.py"), "--run-dir", str(imported / "llama"),

@@ -1,11 +1,11 @@
-"""spmd.hlo reads the TPU compiler's loops: their trip counts are in the loop conditions (no
+"""spmd.analysis.hlo reads the TPU compiler's loops: their trip counts are in the loop conditions (no
 `known_trip_count`), in s32 for JAX's scans and u32 for the SPMD partitioner's windowed-einsum
 loops, which the compiler may widen to k steps per iteration. Text in the form libtpu 0.0.50 prints
 (trimmed from a compiled llama-8b fsdp_tp step)."""
 
 import numpy as np
 
-from spmd import hlo
+from spmd.analysis import hlo
 
 _PERMUTE = (
     "  %cp = (bf16[256,3584]{1,0}, bf16[256,3584]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start"

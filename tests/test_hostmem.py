@@ -1,4 +1,4 @@
-"""cpu.host_heap (spmd/hostmem.py): freed heap memory kept for reuse (glibc's retained, or
+"""cpu.host_heap (spmd/platform/hostmem.py): freed heap memory kept for reuse (glibc's retained, or
 tbbmalloc's through a relaunch), so that an XLA:CPU program's temporaries are not page-faulted in
 again on every execution. Each case runs in a fresh process: the switch is process-wide and cannot
 be undone."""
@@ -13,9 +13,9 @@ import textwrap
 import pytest
 from conftest import ROOT, run_fresh
 
-from spmd import hostmem
-from spmd.config import load_config
-from spmd.errors import UserError
+from spmd.assembly.config import load_config
+from spmd.core.errors import UserError
+from spmd.platform import hostmem
 
 # Steps of `small`'s bf16 train step (171 MiB of temporaries) on one CPU device, as spmd-train
 # runs them: page faults of each step, with glibc's malloc as it is and with freed memory retained.
@@ -23,8 +23,8 @@ PROBE = textwrap.dedent(
     """
     import json, resource
     import jax
-    from spmd import hostmem
-    from spmd.setup import assemble, before_jax_starts
+    from spmd.platform import hostmem
+    from spmd.assembly.setup import assemble, before_jax_starts
 
     overrides = ["model.dtype=bfloat16", {override!r}]
     before_jax_starts("small", overrides, may_relaunch=True)  # as spmd-train does
@@ -73,8 +73,8 @@ RELAUNCH_PROBE = textwrap.dedent(
     """
     import json, os, subprocess, sys
     print(json.dumps({"pid": os.getpid()}), flush=True)
-    from spmd import hostmem
-    from spmd.setup import before_jax_starts
+    from spmd.platform import hostmem
+    from spmd.assembly.setup import before_jax_starts
 
     before_jax_starts("tiny", [], may_relaunch=sys.argv[1] == "relaunch")
     probe = "import ctypes; print(hasattr(ctypes.CDLL(None), '__TBB_malloc_proxy'))"
@@ -129,7 +129,7 @@ def test_cpu_host(monkeypatch):
 TRIM_PROBE = textwrap.dedent(
     """
     import ctypes, ctypes.util, json, resource
-    from spmd import hostmem
+    from spmd.platform import hostmem
 
     assert hostmem.retain_freed_memory()
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -186,7 +186,7 @@ def test_commands_that_load_a_checkpoint_set_the_heap_before_jax_starts(command,
     cpu.host_heap's default first (config None), relaunching only from their command line."""
     import importlib
 
-    from spmd import setup
+    from spmd.assembly import setup
 
     module = importlib.import_module(f"spmd.cli.{command}")
     calls = []

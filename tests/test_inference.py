@@ -17,7 +17,7 @@ from test_cli import ROOT, spmd_train
 from spmd.models.decoder import KVCache
 from spmd.models.llama import Llama, LlamaConfig
 from spmd.models.moe import MoEConfig
-from spmd.sharding import abstract_model, init_params
+from spmd.parallel.sharding import abstract_model, init_params
 
 CFG = LlamaConfig(dtype="float32")
 
@@ -66,9 +66,9 @@ def test_decoding_on_cpu_copies_no_layer_weights(devices, config, dtype):
     and a layer's cache is only written in place (in bfloat16 each weight was
     cast per token: the sampler casts them once); the split weights stack back to the originals,
     cast."""
-    from spmd.inference import Loaded, Sampler, stack_layers
-    from spmd.setup import assemble
-    from spmd.sharding import path_str
+    from spmd.assembly.setup import assemble
+    from spmd.io.inference import Loaded, Sampler, stack_layers
+    from spmd.parallel.sharding import path_str
 
     sets = [f"model.dtype={dtype}"]
     decode = assemble(
@@ -268,7 +268,7 @@ def test_a_byte_level_run_with_a_larger_vocabulary_samples(tmp_path, devices):
     """A run on bytes whose model has more than 256 ids (a preset such as llama-1b trained on the
     embedded corpus) records its tokenizer as bytes; sampling takes it at its word."""
     from spmd import run as run_lib
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     overrides = ["model.vocab_size=512", "train.steps=1", "train.eval_every=0"]
     run_lib.train(

@@ -1,6 +1,6 @@
 """The package's structure holds: one top-level import name, no import cycles (function-local
-imports count), models/ reach the engine only through its seams (spmd.logical, spmd.family) and
-the engine imports no model, commands share only public names, and nothing but spmd/setup.py
+imports count), models/ reach the engine only through its seams (spmd.core.logical, spmd.core.family) and
+the engine imports no model, commands share only public names, and nothing but spmd/assembly/setup.py
 assembles a run."""
 
 import ast
@@ -135,16 +135,16 @@ def _engine(m: str) -> bool:
 
 
 def test_models_reach_spmd_only_through_the_seams():
-    """Models see the engine through two seams: spmd.logical (axis names, constraints, parallel
-    ops) and spmd.family (the contract they fill in), and raise its UserError."""
+    """Models see the engine through two seams: spmd.core.logical (axis names, constraints, parallel
+    ops) and spmd.core.family (the contract they fill in), and raise its UserError."""
     graph = _graph()
     used = {d for m, deps in graph.items() if m.startswith("spmd.models") for d in deps if _engine(d)}
-    assert used == {"spmd.logical", "spmd.family", "spmd.errors"}
+    assert used == {"spmd.core.logical", "spmd.core.family", "spmd.core.errors"}
 
 
 def test_the_engine_imports_no_model():
     """No module of the engine imports a model family or a model module: it finds a family by
-    name at run time (spmd.family.find)."""
+    name at run time (spmd.core.family.find)."""
     graph = _graph()
     reached = {(m, d) for m, deps in graph.items() if _engine(m) for d in deps if d.startswith("spmd.models")}
     assert reached == set()
@@ -163,10 +163,13 @@ def test_no_private_names_cross_modules():
 
 
 def test_only_setup_assembles_a_run():
-    """The chain config -> mesh -> rules -> plan -> trainer is built in spmd/setup.py alone."""
+    """The chain config -> mesh -> rules -> plan -> trainer is built in spmd/assembly/setup.py alone."""
     callers = []
     for path in [*ROOT.glob("spmd/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
         text = path.read_text()
         if path.name != "test_layout.py" and ("build_trainer(" in text or "sharding_lib.plan(" in text):
             callers.append(path.relative_to(ROOT).as_posix())
-    assert sorted(callers) == ["spmd/setup.py", "spmd/trainer.py"]  # trainer.py defines build_trainer
+    assert sorted(callers) == [
+        "spmd/assembly/setup.py",
+        "spmd/training/trainer.py",
+    ]  # trainer.py defines build_trainer

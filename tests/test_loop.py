@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from spmd import loop
+from spmd.loop import train_loop as loop
 
 
 class Steps:
@@ -114,7 +114,7 @@ def test_consecutive_skipped_steps_stop_the_run_before_any_hook_sees_the_last():
 def test_an_error_waits_for_the_step_still_running():
     """The loop keeps one step in flight; when the step before it turns out to be the last of a
     diverged streak, that step is waited for before the error leaves the loop (a process exiting
-    under a running oneDNN program aborts: spmd/cpu_matmul.py)."""
+    under a running oneDNN program aborts: spmd/platform/cpu_matmul.py)."""
 
     class Running:  # a step's output, as JAX returns it before the step is done
         def __init__(self, step):
@@ -140,7 +140,7 @@ def test_goodput_ledger_puts_every_second_in_one_bucket():
     """Data waits, hook time by bucket (eval, checkpoint, other) and productive steps add up to the
     wall time since `started`; a carried ledger (a resumed checkpoint's) adds on; goodput =
     productive / all."""
-    from spmd import goodput
+    from spmd.loop import goodput
 
     class SlowData(Steps):
         def train_batch(self, step):
@@ -178,7 +178,7 @@ def test_goodput_ledger_puts_every_second_in_one_bucket():
 
 
 def test_lost_seconds_are_the_logged_steps_after_the_restored_checkpoint():
-    from spmd.goodput import lost_seconds
+    from spmd.loop.goodput import lost_seconds
 
     records = [{"step": 2, "step_time": 1.0}, {"step": 5, "step_time": 2.0}, {"step": 7, "step_time": 3.0}]
     assert lost_seconds(records, 7) == 0.0
@@ -187,7 +187,7 @@ def test_lost_seconds_are_the_logged_steps_after_the_restored_checkpoint():
 
 
 def test_watchdog_deadline_follows_the_median_step_with_a_floor():
-    from spmd.watchdog import Watchdog
+    from spmd.loop.watchdog import Watchdog
 
     auto = Watchdog(0, None, compile_seconds=40.0, floor=300.0)
     assert auto.deadline() == 400.0  # no step timed yet: 10x the compile time
@@ -209,8 +209,8 @@ def test_a_hooks_first_call_gets_the_first_deadline_once():
     """The first eval and the first save compile (the eval step, the checksum program): until the
     next beat the deadline is the first one (>= the floor) even under a fixed train.step_timeout;
     the loop asks for it once per hook, and a hook's later calls are held to step_timeout."""
-    from spmd import loop
-    from spmd.watchdog import Watchdog
+    from spmd.loop import train_loop as loop
+    from spmd.loop.watchdog import Watchdog
 
     dog = Watchdog(7.5, None, compile_seconds=40.0, floor=300.0)
     dog.hook_first_call()
@@ -260,8 +260,8 @@ def test_watchdog_dumps_every_stack_and_exits_4_on_a_hang(tmp_path):
     script = textwrap.dedent(f"""
         import pathlib, threading, time
         import numpy as np
-        from spmd import loop
-        from spmd.watchdog import Watchdog
+        from spmd.loop import train_loop as loop
+        from spmd.loop.watchdog import Watchdog
 
         def step(state, batch):
             if batch == 3:
@@ -303,7 +303,7 @@ def test_metrics_that_cannot_be_written_stop_the_run_with_one_error(tmp_path):
     """metrics.jsonl on a full disk (/dev/full answers every write with ENOSPC): the write raises
     one MetricsWriteError (exit code 3) naming the file and the reason, and closing the writer
     afterwards (the loop closes every hook) raises nothing more."""
-    from spmd.metrics import MetricsWriteError, MetricsWriter
+    from spmd.loop.metrics import MetricsWriteError, MetricsWriter
 
     if not pathlib.Path("/dev/full").exists():
         pytest.skip("no /dev/full here")

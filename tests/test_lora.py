@@ -1,4 +1,4 @@
-"""LoRA (spmd.lora): adapters sharded like the weights they adapt, a frozen base, sharded runs equal
+"""LoRA (spmd.training.lora): adapters sharded like the weights they adapt, a frozen base, sharded runs equal
 to one device, adapter-only checkpoints that resume onto their base, the merged model for
 sampling, evaluation and export, and a peft adapter directory that peft loads with equal logits."""
 
@@ -13,12 +13,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from spmd import checkpoint as ckpt
-from spmd import hf, inference, lora, run
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
-from spmd.sharding import path_str
+from spmd import run
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.io import checkpoint as ckpt
+from spmd.io import hf, inference
+from spmd.parallel.sharding import path_str
+from spmd.training import lora
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_PYTHON = ROOT / ".venv-torch" / "bin" / "python"

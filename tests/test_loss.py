@@ -1,4 +1,4 @@
-"""The cross-entropy without a float32 copy of the logits (spmd.loss) against optax's on float32
+"""The cross-entropy without a float32 copy of the logits (spmd.training.loss) against optax's on float32
 logits: values, logsumexp and gradients (through a z-loss too), and a train step built with it."""
 
 import jax
@@ -8,9 +8,9 @@ import optax
 import pytest
 from conftest import run_training
 
-from spmd.config import load_config
-from spmd.loss import cross_entropy
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.training.loss import cross_entropy
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -2,10 +2,10 @@
 
 import pytest
 
-from spmd.config import AttentionConfig, load_config
-from spmd.errors import UserError
-from spmd.mesh import MESH_AXES, build_mesh, parse_mesh
-from spmd.rules import load_rules, presets, rules_table, validate
+from spmd.assembly.config import AttentionConfig, load_config
+from spmd.core.errors import UserError
+from spmd.core.mesh import MESH_AXES, build_mesh, parse_mesh
+from spmd.core.rules import load_rules, presets, rules_table, validate
 
 
 def test_mesh_fill_and_defaults(devices):
@@ -162,7 +162,7 @@ def test_config_file_type_errors(tmp_path):
 def test_a_config_saved_by_the_older_layout_reads_with_its_keys_moved():
     """Checkpoints and config.json written before the tables had owners: optimizer settings under
     [train], MoE keys under [model] (n_experts 0 for a dense model), CPU tuning under [train]."""
-    from spmd.config import config_from_json
+    from spmd.assembly.config import config_from_json
 
     old = {
         "name": "old",

@@ -10,9 +10,9 @@ import struct
 import pytest
 
 from spmd import run
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (pip install '.[wandb]')")
 mlflow = pytest.importorskip("mlflow", reason="the mlflow extra (pip install '.[mlflow]')")

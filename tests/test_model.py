@@ -11,7 +11,7 @@ from flax import nnx
 
 from spmd.models.attention import xla_attention
 from spmd.models.llama import Llama, LlamaConfig, count_params, flops_per_token
-from spmd.sharding import init_params
+from spmd.parallel.sharding import init_params
 
 CFG = LlamaConfig(dtype="float32")
 
@@ -158,7 +158,7 @@ def test_rope_backward_is_the_rotation_back(dtype):
     """spmd.models.layers.rope (its own backward: the rotation by the negated angle): output bit for bit
     the plain formula's, gradient equal to autodiff's of it (fp32 to rounding; bf16 to one bf16
     rounding)."""
-    from spmd.config import load_config
+    from spmd.assembly.config import load_config
     from spmd.models.layers import rope, rope_frequencies
 
     rng = np.random.default_rng()

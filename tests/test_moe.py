@@ -12,11 +12,11 @@ import pytest
 from conftest import run_training
 from flax import nnx
 
-from spmd import aot, hlo
-from spmd.config import load_config
+from spmd.analysis import aot, hlo
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
 from spmd.models.llama import Llama, count_params
 from spmd.models.moe import GROUP_TILE, MoE, dispatch_masks, grouped_swiglu, route
-from spmd.setup import assemble
 
 LOGITS = np.array(
     [
@@ -140,7 +140,7 @@ def test_moe_metrics_and_parameter_count(devices, moe_reference):
         set(params["moe_layers"]) and params["layers"]["mlp"]["w_gate_DF"].shape[0] == 1
     )  # 1 dense + 1 MoE layer
     state = trainer.init_state()
-    from spmd.data import make_batches
+    from spmd.data.loader import make_batches
 
     _, m = trainer.train_step(state, make_batches(cfg, trainer.plan.batch_sharding).train_batch(0))
     m = jax.device_get(m)["aux"]
@@ -162,7 +162,7 @@ def test_expert_parameters_split_over_expert_axis(devices):
 
 
 def test_errors(devices):
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
 
     with pytest.raises(UserError, match=r"moe.top_k \(9\) must be between 1 and moe.n_experts \(8\)"):
         load_config("tiny-moe", ["moe.top_k=9"])

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from test_cli import ROOT, spmd_train
 
-from spmd import checkpoint as ckpt
-from spmd.launcher import free_port
+from spmd.io import checkpoint as ckpt
+from spmd.platform.launcher import free_port
 
 pytestmark = pytest.mark.slow
 # The schedule is fixed at 12 steps so that a run stopped at step 4 or 8 uses the same learning rates.
@@ -183,7 +183,7 @@ def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert result.returncode == 0, result.stderr[-3000:]
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     single = assemble("tiny", "data=2,fsdp=4", "fsdp", overrides=["train.global_batch_size=16"]).batches()
     rows = [tuple(np.load(tmp_path / f"p{i}_rows.npy")) for i in range(2)]

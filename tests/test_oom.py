@@ -1,4 +1,4 @@
-"""Out of device memory (spmd.oom): a step that cannot fit is an error naming what it needs, what
+"""Out of device memory (spmd.analysis.oom): a step that cannot fit is an error naming what it needs, what
 the device has and the levers, before it runs (the compile-time check) and when an allocation fails
 while it runs, with the committed checkpoints intact. A CPU host reports no memory limit, so the
 device's limit is set here."""
@@ -6,11 +6,12 @@ device's limit is set here."""
 import jax
 import pytest
 
-from spmd import checkpoint as ckpt
-from spmd import data as data_lib
-from spmd import oom, run
-from spmd.config import load_config
-from spmd.setup import assemble
+from spmd import run
+from spmd.analysis import oom
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.data import loader as data_lib
+from spmd.io import checkpoint as ckpt
 
 OVERRIDES = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every=2",
              "checkpoint.async_save=false"]  # fmt: skip

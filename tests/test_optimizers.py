@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from conftest import run_training
 
-from spmd import checkpoint as ckpt
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.optimizer import lr_schedule
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.io import checkpoint as ckpt
+from spmd.training.optimizer import lr_schedule
 
 STEPS = 3
 CASES = {
@@ -43,7 +43,8 @@ def test_each_optimizer_trains_under_fsdp_tp_as_on_one_device(devices, case):
 
 
 def test_state_dtype_halves_the_first_moment_in_the_dry_run(devices):
-    from spmd import aot, sharding
+    from spmd.analysis import aot
+    from spmd.parallel import sharding
 
     fp32 = assemble("tiny", "fsdp=8", "fsdp")
     bf16 = assemble("tiny", "fsdp=8", "fsdp", overrides=["optimizer.state_dtype=bfloat16"])
@@ -112,7 +113,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(devi
     returns it in host memory space (S(5) in XLA's entry layout), training is bit-identical, the
     dry-run moves its bytes from the device peak to `host`, and its checkpoint restores onto a
     mesh without offload."""
-    from spmd import aot
+    from spmd.analysis import aot
 
     plain = assemble("tiny", "fsdp=4,tensor=2", "fsdp_tp", devices=devices)
     off = assemble(
@@ -155,7 +156,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(devi
 def test_remat_offload_is_an_error_where_programs_cannot_move_data_to_the_host(devices):
     """XLA:CPU has host memory for arrays but JAX lowers a move to it inside a program only for
     TPU and GPU: model.remat = offload_dots would silently keep the residuals on the device."""
-    from spmd import memory
+    from spmd.parallel import memory
 
     mesh = jax.make_mesh((8,), ("fsdp",), devices=devices)
     assert memory.host_memory_kinds(mesh) and not memory.moves_inside_programs(mesh)

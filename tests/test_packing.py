@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd import context
-from spmd.config import apply_overrides
-from spmd.data import PACKED_FIELDS, PackedWindowSource
-from spmd.setup import assemble
-from spmd.trainer import token_losses
+from spmd.assembly.config import apply_overrides
+from spmd.assembly.setup import assemble
+from spmd.data.loader import PACKED_FIELDS, PackedWindowSource
+from spmd.parallel import context
+from spmd.training.trainer import token_losses
 
 T = 32
 # Two packed rows of T + 1 tokens (inputs and shifted targets): 3 + 2 documents, cut exactly at
@@ -140,8 +140,8 @@ def test_packed_batch_under_context_parallelism_equals_its_documents(separate, d
 
 
 def test_packing_segments_needs_document_boundaries(tiny_cfg):
-    from spmd.data import make_batches
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
+    from spmd.data.loader import make_batches
 
     with pytest.raises(UserError, match="data.packing = segments needs to know where documents end"):
         make_batches(apply_overrides(tiny_cfg, ["data.packing=segments"]), None)

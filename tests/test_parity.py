@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import run_training
 
-from spmd.config import AttentionConfig
+from spmd.assembly.config import AttentionConfig
 
 LAYOUTS = [
     ("dp", "data=8"),

@@ -1,6 +1,6 @@
 """Refactors that do not change the computation keep it bit-identical (torchtitan's rule).
 
-The loss trajectories below were recorded before the run set-up was rewritten (spmd/setup.py) and
+The loss trajectories below were recorded before the run set-up was rewritten (spmd/assembly/setup.py) and
 are compared exactly, float for float: `tiny` for 10 steps on one device and on fsdp=2 x tensor=2.
 The resolved sharding presets are compared with what the flat preset files said before they were
 rewritten as `extends` of a base.
@@ -82,7 +82,7 @@ def test_tiny_loss_on_fsdp_tensor_is_bit_identical(tiny_cfg, devices):
 
 
 def test_every_preset_resolves_to_its_recorded_table():
-    from spmd.rules import load_rules, presets
+    from spmd.core.rules import load_rules, presets
 
     golden = json.loads(GOLDEN_RULES.read_text())
     assert set(golden) <= set(presets())

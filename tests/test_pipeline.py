@@ -1,4 +1,4 @@
-"""Pipeline parallelism over `stage` (spmd/pipeline.py): GPipe and circular schedules train like
+"""Pipeline parallelism over `stage` (spmd/parallel/pipeline.py): GPipe and circular schedules train like
 one device, checkpoints move in and out of a pipeline in canonical layer order, and the compiled
 step sends and computes what the schedule says."""
 
@@ -11,11 +11,11 @@ import pytest
 from conftest import run_training
 from test_cli import spmd_train
 
-from spmd.aot import dry_run, estimate
-from spmd.config import load_config
-from spmd.pipeline import layer_order
-from spmd.rules import load_rules
-from spmd.setup import assemble
+from spmd.analysis.aot import dry_run, estimate
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.rules import load_rules
+from spmd.parallel.pipeline import layer_order
 
 DEEP = ["model.n_layers=8"]
 
@@ -76,7 +76,7 @@ def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(devices):
 
 def test_circular_layer_order_gives_each_stage_its_round_robin_groups():
     # 8 groups, 2 stages, 2 repeats: stage 0 runs groups 0-1 (repeat 0) and 4-5 (repeat 1).
-    from spmd.pipeline import Schedule
+    from spmd.parallel.pipeline import Schedule
 
     order = layer_order(8, Schedule(stages=2, microbatches=2, repeats=2))
     assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
@@ -204,7 +204,7 @@ def test_gather_once_gathers_fsdp_weights_once_per_step_not_per_iteration(device
 
 
 def test_planner_searches_stage_and_decoding_runs_without_a_pipeline(devices):
-    from spmd.planner import enumerate_candidates
+    from spmd.assembly.planner import enumerate_candidates
 
     cfg = load_config("tiny", DEEP)
     found = {
@@ -219,7 +219,7 @@ def test_pipeline_compiles_for_tpu_with_stages_across_slices():
     """The TPU compiler: one collective-permute per iteration each way over `stage` (its bytes
     parsed from collective-permute-start), and `--dcn-mesh stage=2` over two slices puts each
     stage on one slice."""
-    from spmd import topology
+    from spmd.analysis import topology
 
     setup = assemble("tiny", "stage=2,fsdp=2", "pp_fsdp", overrides=[*DEEP, "pipeline.microbatches=2"],
                      devices=topology.devices("v5e:2x2"))  # fmt: skip

@@ -3,7 +3,7 @@
 import pytest
 from test_inference import run_script
 
-from spmd.planner import parse_bytes
+from spmd.assembly.planner import parse_bytes
 
 
 def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
@@ -107,8 +107,8 @@ def test_parse_bytes(text, value):
 
 
 def test_one_hardware_table_serves_mfu_and_the_planner():
-    from spmd.hardware import chip_for, planner_chips
-    from spmd.planner import hardware
+    from spmd.analysis.hardware import chip_for, planner_chips
+    from spmd.assembly.planner import hardware
 
     assert chip_for("NVIDIA H100 80GB HBM3")[0] == "h100" and chip_for("TPU v5 lite")[0] == "tpu-v5e"
     assert chip_for("cpu") is None  # a CPU's peak is measured, never looked up
@@ -120,8 +120,8 @@ def test_candidate_presets_come_from_the_preset_files():
     """Which presets the planner tries on a mesh is read from the rules files: the axes each maps
     something other than the batch to, one preset per distinct layout (the simplest), none that
     says `plan = false`."""
-    from spmd.planner import candidate_presets
-    from spmd.rules import load_rules, presets
+    from spmd.assembly.planner import candidate_presets
+    from spmd.core.rules import load_rules, presets
 
     rules = {p: load_rules(p) for p in presets()}
     assert candidate_presets({"fsdp": 8}, rules) == ["fsdp"]  # fsdp_tp there is fsdp
@@ -137,8 +137,8 @@ def test_a_layout_that_does_not_fit_as_given_takes_the_memory_levers(devices):
     """Where the compiled step needs more than the budget, the planner tries remat and
     microbatches (the cheapest its measured activations say will fit, compiled again to check)
     and says which it took and why; the answer's peak is the compiled one of those settings."""
-    from spmd.config import load_config
-    from spmd.planner import hardware, search
+    from spmd.assembly.config import load_config
+    from spmd.assembly.planner import hardware, search
 
     cfg = load_config("small", ["train.seq_len=1024", "train.global_batch_size=32"])
     budget = 300 * 2**20  # as given, fsdp=8 needs ~430 MiB; 2 microbatches ~230 MiB

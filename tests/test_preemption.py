@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_cli import ROOT, spmd_train
 
-from spmd import checkpoint as ckpt
+from spmd.io import checkpoint as ckpt
 
 ARGS = [
     "--config",
@@ -57,7 +57,7 @@ def losses(run_dir):
 
 
 def final_params(run_dir, step):
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
 
     trainer = assemble("tiny", "", "dp", devices=jax.devices()[:1]).trainer
     state, _ = ckpt.restore(run_dir / ckpt.SUBDIR, step, trainer.abstract_state)
@@ -131,7 +131,7 @@ def test_sigterm_saves_the_current_step_and_exits_0(tmp_path):
 
 
 def test_second_signal_handler_exits_at_once(monkeypatch):
-    from spmd.loop import Preemption
+    from spmd.loop.train_loop import Preemption
 
     exits = []
     monkeypatch.setattr("os._exit", lambda code: exits.append(code))

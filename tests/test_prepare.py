@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from spmd import prepare, tokenizer
-from spmd.errors import UserError
+from spmd.core.errors import UserError
+from spmd.data import prepare, tokenizer
 
 DOCS = [
     "def add(a, b):\n    return a + b\n",
@@ -163,7 +163,7 @@ def test_cli_bad_input_is_one_error_line_and_exit_2(tmp_path):
 
 
 def test_mixture_proportions_follow_the_weights():
-    from spmd.data import mixture_order
+    from spmd.data.loader import mixture_order
 
     weights, n = [3.0, 1.0, 0.5], 10_000
     order = mixture_order(weights)
@@ -177,8 +177,8 @@ def test_mixture_proportions_follow_the_weights():
 def test_held_out_bits_per_byte_of_tokenized_data(corpus, tmp_path, tiny_cfg):
     """spmd-eval's bits per byte: nats per token over ln 2 and the held-out text's bytes per token
     (the prepared manifest's count); 1 byte per token on byte-level data."""
-    from spmd.config import apply_overrides
-    from spmd.data import make_batches
+    from spmd.assembly.config import apply_overrides
+    from spmd.data.loader import make_batches
 
     data = _prepared(corpus, tmp_path, "bpe", [d * 4 for d in DOCS] * 8)
     held_out = prepare.read_manifest(data)["splits"]["val"]
@@ -200,8 +200,8 @@ def test_a_mixture_resumes_and_changes_batch_size_on_the_same_sample_stream(corp
     """The batches of a 2-source packed mixture are a pure function of the sample index: a resumed
     run (fresh Batches moved to the data position) draws what the uninterrupted one draws, also
     with another global batch size."""
-    from spmd.config import apply_overrides
-    from spmd.data import make_batches
+    from spmd.assembly.config import apply_overrides
+    from spmd.data.loader import make_batches
 
     a = _prepared(corpus, tmp_path, "code", [d * 4 for d in DOCS[::2]] * 8)
     b = _prepared(corpus, tmp_path, "prose", [d * 4 for d in DOCS[1::2]] * 8)
@@ -228,7 +228,7 @@ def test_a_mixture_resumes_and_changes_batch_size_on_the_same_sample_stream(corp
         apply_overrides(cfg, [f'data.sources=[{{"path": "{a}", "weight": 0}}]'])
     with pytest.raises(UserError, match="raise model.vocab_size to at least 300"):
         make_batches(apply_overrides(cfg, ["model.vocab_size=256"]), None)
-    from spmd.data import data_tokenizer
+    from spmd.data.loader import data_tokenizer
 
     assert data_tokenizer(cfg.data).sha256 == tokenizer.file_hash(corpus / "tokenizer.json")
     with pytest.raises(UserError, match="is not the tokenizer .* was prepared with"):
@@ -322,8 +322,8 @@ def test_train_tokenizer_command(corpus, tmp_path):
 def test_data_without_held_out_documents_trains_without_evaluation(corpus, tmp_path, tiny_cfg):
     """Prepared data may hold out nothing: spmd-data says so (a warning line), training with
     evaluation off takes it, and with evaluation on it is an error naming both ways out."""
-    from spmd.config import apply_overrides
-    from spmd.data import make_batches
+    from spmd.assembly.config import apply_overrides
+    from spmd.data.loader import make_batches
 
     opts = prepare.Options(tokenizer=str(corpus / "tokenizer.json"), val_fraction=0.0)
     prepare.prepare([str(corpus / "docs.jsonl")] * 1, str(tmp_path / "all"), opts, progress=False)
@@ -344,8 +344,8 @@ def test_a_checkpoint_meets_data_of_another_tokenizer_only_when_asked(corpus, tm
     from test_cli import ROOT
 
     from spmd import run
-    from spmd.config import apply_overrides
-    from spmd.setup import assemble
+    from spmd.assembly.config import apply_overrides
+    from spmd.assembly.setup import assemble
 
     bpe = _prepared(corpus, tmp_path, "bpe", [d * 4 for d in DOCS] * 8)
     common = ["train.seq_len=16", "model.vocab_size=512", "train.eval_every=0", "train.log_every=2",
@@ -389,8 +389,8 @@ def test_prepared_shards_are_verified_like_checkpoints(corpus, tmp_path, tiny_cf
     """The manifest holds each shard's sha256: a flipped byte in a .bin or .idx is an error when
     the data is opened and under `spmd-data verify`; a directory of shards without its manifest is
     refused rather than read as text."""
-    from spmd.config import apply_overrides
-    from spmd.data import make_batches
+    from spmd.assembly.config import apply_overrides
+    from spmd.data.loader import make_batches
 
     data = _prepared(corpus, tmp_path, "bpe", [d * 4 for d in DOCS] * 8)
     cfg = apply_overrides(tiny_cfg, [f"data.path={data}", "train.seq_len=16", "model.vocab_size=512"])

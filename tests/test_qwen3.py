@@ -15,8 +15,8 @@ from family_checks import (
 )
 from test_hf import FIXTURES
 
-from spmd import hf
-from spmd.config import load_config
+from spmd.assembly.config import load_config
+from spmd.io import hf
 
 MOE = ["moe.n_experts=8", "moe.every=2", "moe.d_ff_expert=64"]  # layer 0 dense, layer 1 MoE
 HF_NAMES = ["qwen3", "qwen3_moe"]

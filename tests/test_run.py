@@ -6,11 +6,11 @@ import json
 import pytest
 from conftest import run_training
 
-from spmd import checkpoint as ckpt
 from spmd import run
-from spmd.config import load_config
-from spmd.errors import UserError
-from spmd.setup import assemble
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
+from spmd.io import checkpoint as ckpt
 
 OVERRIDES = ["train.log_every=2", "train.eval_every=0", "checkpoint.every=2", "checkpoint.async_save=false"]
 

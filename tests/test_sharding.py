@@ -8,8 +8,8 @@ import sys
 import jax
 import pytest
 
-from spmd import sharding as sharding_lib
-from spmd.setup import assemble
+from spmd.assembly.setup import assemble
+from spmd.parallel import sharding as sharding_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -86,7 +86,7 @@ def test_weight_decay_follows_the_parameters_declaration(tiny_cfg, devices):
     """Norm scales declare weight_decay=False (models/layers.py); every matrix is decayed."""
     import jax
 
-    from spmd.optimizer import decay_mask
+    from spmd.training.optimizer import decay_mask
 
     plan = resolved(tiny_cfg, "fsdp")
     mask = {
@@ -114,8 +114,8 @@ PRESET_CASES = [
 ]  # fmt: skip
 COMPILE_ALL = """
 import sys, jax
-from spmd.rules import presets
-from spmd.setup import assemble
+from spmd.core.rules import presets
+from spmd.assembly.setup import assemble
 cases = {cases!r}
 assert {{r for _, r, _ in cases}} == set(presets()), "a preset without a case"
 for cfg, rules, mesh in cases:

@@ -1,4 +1,4 @@
-"""Loss spikes (spmd.spikes): the robust test, the three answers to a spike (stop, skip, rollback)
+"""Loss spikes (spmd.loop.spikes): the robust test, the three answers to a spike (stop, skip, rollback)
 on a real run whose data holds one corrupt batch, retention that keeps the checkpoint from before
 the first spike and the best one by eval loss, and a rollback that resumes to the same losses
 wherever it is killed."""
@@ -9,11 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from spmd import checkpoint as ckpt
-from spmd import data as data_lib
-from spmd import loop, run, spikes
-from spmd.config import load_config
-from spmd.setup import assemble
+from spmd import run
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+from spmd.data import loader as data_lib
+from spmd.io import checkpoint as ckpt
+from spmd.loop import spikes
+from spmd.loop import train_loop as loop
 
 BAD_STEP = 29  # the step whose batch is corrupt (it reports its loss as step 29)
 OVERRIDES = [

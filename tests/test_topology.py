@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from spmd.errors import UserError
+from spmd.core.errors import UserError
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="needs the tpu extra: pip install '.[tpu]'"
@@ -15,14 +15,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def v5e():
-    from spmd import topology
+    from spmd.analysis import topology
 
     return topology.devices("v5e:2x2")
 
 
 def dry(devices, mesh, rules, *overrides, config="tiny"):
-    from spmd.aot import dry_run
-    from spmd.setup import assemble
+    from spmd.analysis.aot import dry_run
+    from spmd.assembly.setup import assemble
 
     return dry_run(assemble(config, mesh, rules, overrides=list(overrides), devices=devices), explain=True)
 
@@ -84,7 +84,7 @@ def test_collectives_over_a_whole_slice_run_as_all_reduces_and_are_counted_as_su
     whole array and keeping a shard (twice a reduce-scatter's bytes); --explain names those and
     the bytes they add, and without them dp_zero1 sends its analytic minimum: the gradient
     reduce-scattered (bf16) and the updated fp32 parameters gathered."""
-    from spmd import explain, topology
+    from spmd.analysis import explain, topology
 
     wide = (
         "model.d_model=256",
@@ -137,12 +137,12 @@ def test_a_dry_run_found_in_the_persistent_cache_compiles_again_without_a_warnin
 def test_two_slices_compile_with_the_dcn_mesh_across_them():
     """--num-slices 2: the mesh's data axis spans the slices (by slice_index); the report says
     that the cross-slice transfers (send/recv, not collectives in the HLO) are not counted."""
-    from spmd import topology
+    from spmd.analysis import topology
 
     devices = topology.devices("v5e:2x2", num_slices=2)
     assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}
-    from spmd.aot import dry_run
-    from spmd.setup import assemble
+    from spmd.analysis.aot import dry_run
+    from spmd.assembly.setup import assemble
 
     s = assemble("tiny", "fsdp=4", "fsdp", devices=devices, dcn_mesh="data=2")
     assert s.mesh.shape["data"] == 2  # data index i holds exactly slice i's chips
@@ -167,7 +167,7 @@ def test_host_offload_is_compiled_for_tpu_and_counted_in_host_memory(v5e):
 
 
 def test_a_step_that_cannot_fit_is_the_compilers_refusal_named(v5e):
-    from spmd.aot import DoesNotFit
+    from spmd.analysis.aot import DoesNotFit
 
     with pytest.raises(DoesNotFit, match="does not fit TPU v5 lite: .*exceeds available HBM"):
         dry(v5e, "data=4", "dp", "train.global_batch_size=64", "train.seq_len=16384", config="small")
@@ -206,8 +206,8 @@ def test_topology_errors(monkeypatch, v5e):
     import subprocess
     import sys
 
-    from spmd import topology
-    from spmd.setup import assemble
+    from spmd.analysis import topology
+    from spmd.assembly.setup import assemble
 
     for name in ("bogus:2x2", "v5e", "v5e:0x2"):
         with pytest.raises(UserError, match="is not a TPU topology"):
@@ -246,7 +246,7 @@ def test_pallas_flash_attention_compiles_for_tpu(T, groups, causal):
     import jax
     import jax.numpy as jnp
 
-    from spmd import topology
+    from spmd.analysis import topology
     from spmd.kernels.flash_attention import flash_attention
 
     chip = topology.devices("v5p:2x2x1")[0]
@@ -270,8 +270,8 @@ def test_pallas_flash_attention_compiles_for_tpu(T, groups, causal):
 def test_attention_auto_is_the_pallas_kernel_in_a_tpu_train_step():
     """auto -> pallas_tpu on a TPU topology: a context-parallel train step, whose ring blocks are
     the kernel, compiles with Mosaic calls."""
-    from spmd import topology
-    from spmd.setup import assemble
+    from spmd.analysis import topology
+    from spmd.assembly.setup import assemble
 
     devices = topology.devices("v5p:2x2x1")
     for mesh, rules in (("fsdp=2,context=2", "cp_ring"),):  # (the dense kernel: the test above)

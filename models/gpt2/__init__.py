@@ -1,7 +1,7 @@
 """The GPT-2 family (`model.family = "gpt2"`): learned positions, LayerNorm with biases, a GELU MLP,
 the head tied to the token embedding; Hugging Face `GPT2LMHeadModel` import and export."""
 
-from spmd.family import ModelFamily
+from spmd.core.family import ModelFamily
 from spmd.models import decoder
 from spmd.models.gpt2 import hf_mapping
 from spmd.models.gpt2.model import GPT2, LORA_TARGETS, GPT2Config, figures

@@ -5,8 +5,8 @@ q, k and v are one fused `c_attn` (D, 3D), whose thirds are our three projection
 thirds their biases). The head is the token embedding (tied), as HF's is.
 """
 
-from spmd.errors import UserError
-from spmd.family import HFAdapter, HFTensor
+from spmd.core.errors import UserError
+from spmd.core.family import HFAdapter, HFTensor
 from spmd.models.gpt2.model import GPT2Config
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2"}

@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.family import Figures
-from spmd.logical import constrain
+from spmd.core.family import Figures
+from spmd.core.logical import constrain
 from spmd.models import attention
 from spmd.models.decoder import REMAT_POLICIES, RESIDUAL_AXES, Decoder, attention_flops_per_token
 from spmd.models.layers import adapter, lookup_table, param, project
 
-# The projections LoRA may adapt (spmd.lora): weight attribute, contracted leading axes.
+# The projections LoRA may adapt (spmd.training.lora): weight attribute, contracted leading axes.
 LORA_TARGETS = {
     "q": ("wq_DNH", 1),
     "k": ("wk_DNH", 1),

@@ -1,7 +1,7 @@
 """The Llama family (`model.family = "llama"`, the default): Llama 2/3/3.1+, Mistral, Qwen2 and
 Mixtral, dense or a mixture of experts ([moe]); Hugging Face import and export."""
 
-from spmd.family import ModelFamily
+from spmd.core.family import ModelFamily
 from spmd.models import decoder, moe
 from spmd.models.llama import hf_mapping
 from spmd.models.llama.model import LORA_TARGETS, Llama, LlamaConfig, count_params, figures, flops_per_token

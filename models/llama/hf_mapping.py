@@ -9,8 +9,8 @@ does, so q/k weights need no permutation; and HF's `nn.Linear` stores (out, in),
 import math
 from collections.abc import Callable
 
-from spmd.errors import UserError
-from spmd.family import HFAdapter, HFTensor
+from spmd.core.errors import UserError
+from spmd.core.family import HFAdapter, HFTensor
 from spmd.models.decoder import layer_groups
 from spmd.models.llama.model import LlamaConfig
 from spmd.models.moe import MoEConfig

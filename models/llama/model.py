@@ -15,8 +15,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.family import Figures
-from spmd.logical import constrain
+from spmd.core.family import Figures
+from spmd.core.logical import constrain
 from spmd.models import attention
 from spmd.models.decoder import (
     REMAT_POLICIES,
@@ -29,7 +29,7 @@ from spmd.models.layers import MLP, RMSNorm, adapter, lookup_table, param, proje
 from spmd.models.moe import MoE, MoEConfig, capacity
 
 DTYPES = ("float32", "bfloat16", "float16")
-# The projections LoRA may adapt (spmd.lora): weight attribute, contracted leading axes.
+# The projections LoRA may adapt (spmd.training.lora): weight attribute, contracted leading axes.
 LORA_TARGETS = {
     "q": ("wq_DNH", 1),
     "k": ("wk_DKH", 1),
@@ -243,7 +243,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, count=count_params) -> float
 
 
 def figures(cfg: LlamaConfig, seq_len: int, count=count_params) -> Figures:
-    """The family's Figures (spmd.family); `count`: the parameter count (a family built on this
+    """The family's Figures (spmd.core.family); `count`: the parameter count (a family built on this
     one with more parameters per layer passes its own)."""
     moe = cfg.moe
     groups, _, has_moe = layer_groups(cfg)

@@ -2,7 +2,7 @@
 a mixture of experts ([moe]); Hugging Face `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` import and
 export."""
 
-from spmd.family import ModelFamily
+from spmd.core.family import ModelFamily
 from spmd.models import decoder, moe
 from spmd.models.llama.model import LORA_TARGETS
 from spmd.models.qwen3 import hf_mapping

@@ -2,8 +2,8 @@
 `transformers` saves them: the Llama layout (spmd.models.llama.hf_mapping), each layer's q/k norms,
 and Qwen3-MoE's router and experts under `mlp`."""
 
-from spmd.errors import UserError
-from spmd.family import HFAdapter, HFTensor
+from spmd.core.errors import UserError
+from spmd.core.family import HFAdapter, HFTensor
 from spmd.models.llama import hf_mapping as llama
 from spmd.models.moe import MoEConfig
 from spmd.models.qwen3.model import Qwen3Config

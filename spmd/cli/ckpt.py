@@ -6,7 +6,7 @@ import pathlib
 import sys
 
 from spmd.cli.common import Parser, add_host_devices, add_trust_flag, run_main
-from spmd.errors import log
+from spmd.core.errors import log
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter", action="store_true",
         help="a LoRA run: its adapters alone, as a peft adapter directory for the base model",
     )  # fmt: skip
-    from spmd.distributed import add_flags
+    from spmd.platform.distributed import add_flags
 
     for q in (i, v, r, e):
         add_trust_flag(q)
@@ -99,7 +99,7 @@ def _dir_bytes(path: pathlib.Path) -> int:
 
 
 def _steps_to_check(path: str):
-    from spmd import checkpoint as ckpt
+    from spmd.io import checkpoint as ckpt
 
     p = pathlib.Path(path).expanduser()
     directory, step = ckpt.locate(path)
@@ -111,9 +111,9 @@ def _steps_to_check(path: str):
 def inspect(args) -> int:
     import numpy as np
 
-    from spmd import checkpoint as ckpt
-    from spmd.mesh import format_mesh
-    from spmd.sharding import fmt_bytes
+    from spmd.core.mesh import format_mesh
+    from spmd.io import checkpoint as ckpt
+    from spmd.parallel.sharding import fmt_bytes
 
     directory, step = ckpt.locate(args.path)
     print(f"checkpoints in {directory}:")
@@ -164,8 +164,8 @@ def inspect(args) -> int:
 
 
 def verify(args) -> int:
-    from spmd import checkpoint as ckpt
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
+    from spmd.io import checkpoint as ckpt
 
     directory, steps = _steps_to_check(args.path)
     if not steps:
@@ -182,10 +182,10 @@ def verify(args) -> int:
 
 def reshard(args) -> int:
     """Restore onto the new mesh and rules (each device reads only its shards), save under dst."""
-    from spmd import checkpoint as ckpt
-    from spmd.config import config_from_json
-    from spmd.errors import UserError, check_writable
-    from spmd.setup import assemble
+    from spmd.assembly.config import config_from_json
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError, check_writable
+    from spmd.io import checkpoint as ckpt
 
     directory, step = ckpt.locate(args.src)
     meta = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run", "consumed_samples"))
@@ -205,13 +205,13 @@ def reshard(args) -> int:
 
 
 def import_hf(args) -> int:
-    from spmd import distributed
+    from spmd.platform import distributed
 
     distributed.initialize_from_flags(args)
     import jax
 
-    from spmd import hf
-    from spmd.sharding import fmt_bytes
+    from spmd.io import hf
+    from spmd.parallel.sharding import fmt_bytes
 
     done = hf.import_hf(
         args.hf_dir, args.run_dir, args.mesh, args.rules, args.set, args.dcn_mesh, args.overwrite
@@ -232,7 +232,7 @@ def import_hf(args) -> int:
 
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '100KB' or a byte count -> bytes (decimal units, as transformers uses)."""
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
 
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
     t = text.strip().upper()
@@ -252,14 +252,14 @@ def parse_size(text: str) -> int:
 
 
 def export_hf(args) -> int:
-    from spmd import distributed
+    from spmd.platform import distributed
 
     max_shard_bytes = parse_size(args.max_shard_size)
     distributed.initialize_from_flags(args)
     import jax
 
-    from spmd import hf
-    from spmd.sharding import fmt_bytes
+    from spmd.io import hf
+    from spmd.parallel.sharding import fmt_bytes
 
     if args.adapter:
         done = hf.export_adapter(args.run_dir, args.out, args.step, args.dtype)

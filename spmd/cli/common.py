@@ -47,8 +47,8 @@ def add_run_flags(
 ) -> None:
     """--config, --mesh, --rules and --set, with the presets that exist named in their help.
     `config_note`: what the default means where it is None (spmd-train: small, or --init-from's)."""
-    from spmd import presets
-    from spmd.mesh import MESH_AXES
+    from spmd.core import presets
+    from spmd.core.mesh import MESH_AXES
 
     configs = ", ".join(presets.names(presets.folder("configs")))
     rules = ", ".join(presets.names(presets.folder("sharding_rules")))
@@ -104,7 +104,7 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
 
 def set_host_devices(n: int) -> None:
     """Use the CPU backend with `n` simulated devices. Must run before JAX initialises a backend."""
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
 
     if n < 1:
         raise UserError(f"--host-devices must be positive, got {n}")
@@ -118,7 +118,7 @@ def set_host_devices(n: int) -> None:
 
 
 def set_host_platform() -> None:
-    """Run JAX itself on the CPU (for compile-only devices of another platform, spmd.topology):
+    """Run JAX itself on the CPU (for compile-only devices of another platform, spmd.analysis.topology):
     where libtpu is installed JAX would otherwise look for TPU chips and warn that there are none."""
     import jax
     from jax._src import xla_bridge
@@ -128,13 +128,13 @@ def set_host_platform() -> None:
 
 
 def skip_absent_accelerators() -> None:
-    """With no platform named and no TPU chip or GPU visible (spmd.hostmem.cpu_host: the PCI bus and
+    """With no platform named and no TPU chip or GPU visible (spmd.platform.hostmem.cpu_host: the PCI bus and
     device files, as JAX looks), name the CPU for JAX. Where libtpu is installed (the `tpu` extra)
     JAX would otherwise initialise it on every start, and libtpu writes five lines about the TPU it
     cannot find to stderr before JAX falls back to the CPU, burying a command's own output and its
     one `error:` line. Nothing changes where a device is visible. Set in the environment before JAX
     is imported (child processes decide alike), else in JAX's config before it starts a backend."""
-    from spmd import hostmem
+    from spmd.platform import hostmem
 
     if "jax" in sys.modules:
         import jax
@@ -159,11 +159,11 @@ def run_main(parser: argparse.ArgumentParser, body, argv=None) -> int:
     """Parse `argv`, apply --host-devices (when the command has it), run `body(args)`; bad input
     anywhere becomes one `error:` line on stderr and exit code 2."""
     args = parser.parse_args(argv)
-    from spmd.errors import UserError, report
+    from spmd.core.errors import UserError, report
 
     try:
         if getattr(args, "trust_unverified", False):
-            from spmd import checkpoint
+            from spmd.io import checkpoint
 
             checkpoint.trust_unverified()
         if getattr(args, "host_devices", None) is not None:

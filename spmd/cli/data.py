@@ -1,12 +1,12 @@
 """`spmd-data`: `prepare` tokenizes documents into shards that spmd-train reads through
-`data.path`; `train-tokenizer` trains a BPE tokenizer for it on the same documents (spmd.prepare)."""
+`data.path`; `train-tokenizer` trains a BPE tokenizer for it on the same documents (spmd.data.prepare)."""
 
 import argparse
 import os
 import sys
 
 from spmd.cli.common import Parser, run_main
-from spmd.errors import log
+from spmd.core.errors import log
 
 EPILOG = """
 examples:
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from spmd import prepare
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
+    from spmd.data import prepare
 
     if args.command == "train-tokenizer":
         opts = prepare.Options(text_field=args.text_field, errors=args.errors)

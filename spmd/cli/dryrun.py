@@ -1,5 +1,5 @@
 """`spmd-dryrun`: per-device memory, FLOPs and collectives of a train step, compiled for a mesh on
-fake devices without allocating anything (spmd.aot)."""
+fake devices without allocating anything (spmd.analysis.aot)."""
 
 import argparse
 import json
@@ -44,13 +44,13 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from spmd.aot import dry_run
-    from spmd.errors import UserError
-    from spmd.setup import assemble
+    from spmd.analysis.aot import dry_run
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
 
     devices, dcn_mesh = None, args.dcn_mesh
     if args.topology:
-        from spmd import topology
+        from spmd.analysis import topology
 
         if args.host_devices is not None:
             raise UserError("--topology and --host-devices both name the devices; give one")
@@ -78,8 +78,8 @@ def _t(seconds: float) -> str:
 
 
 def print_report(r: dict) -> None:
-    from spmd.mesh import format_mesh
-    from spmd.sharding import fmt_bytes
+    from spmd.core.mesh import format_mesh
+    from spmd.parallel.sharding import fmt_bytes
 
     mesh = format_mesh(r["mesh"])
     print(

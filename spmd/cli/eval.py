@@ -1,5 +1,5 @@
 """`spmd-eval`: held-out loss, perplexity and bits per byte of a run's checkpoint, on any mesh; with
-`--tasks`, lm-eval benchmarks through spmd.harness."""
+`--tasks`, lm-eval benchmarks through spmd.io.harness."""
 
 import argparse
 import json
@@ -39,13 +39,13 @@ def main(argv=None) -> int:
 
 
 def run(args, may_relaunch: bool = False) -> int:
-    from spmd.setup import before_jax_starts
+    from spmd.assembly.setup import before_jax_starts
 
     # the host heap spmd-train runs with (cpu.host_heap's default): each eval step's temporaries
     # reused, not faulted in again
     before_jax_starts(None, may_relaunch=may_relaunch)
-    from spmd import inference
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
+    from spmd.io import inference
 
     if args.tasks:
         return benchmarks(args)
@@ -54,8 +54,8 @@ def run(args, may_relaunch: bool = False) -> int:
     overrides = list(args.set) + ([f"data.path={args.data}", "data.sources=[]"] if args.data else [])
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
     if args.data:
-        from spmd.data import data_tokenizer_record
-        from spmd.tokenizer import check_agrees
+        from spmd.data.loader import data_tokenizer_record
+        from spmd.data.tokenizer import check_agrees
 
         check_agrees(loaded.meta.get("run", {}).get("tokenizer"), data_tokenizer_record(loaded.cfg.data),
                      f"checkpoint {args.run_dir} (step {loaded.step})", args.allow_tokenizer_change)  # fmt: skip
@@ -82,15 +82,15 @@ def run(args, may_relaunch: bool = False) -> int:
 
 
 def benchmarks(args) -> int:
-    """--tasks: lm-eval's evaluator on the run (spmd.harness)."""
-    from spmd.errors import UserError
+    """--tasks: lm-eval's evaluator on the run (spmd.io.harness)."""
+    from spmd.core.errors import UserError
 
     if args.data or args.batches is not None:
         raise UserError("--tasks evaluates benchmarks, not held-out data: drop --data and --batches")
     if args.limit is not None and args.limit <= 0 or args.batch_size < 1:
         raise UserError("--limit and --batch-size must be positive")
     try:
-        from spmd import harness
+        from spmd.io import harness
     except ImportError:
         raise UserError("--tasks needs lm-eval: pip install 'spmd-stack[lmeval]'") from None
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit

@@ -1,4 +1,4 @@
-"""`spmd-launch`: run N processes of a command on this machine as one jax.distributed job (spmd.launcher)."""
+"""`spmd-launch`: run N processes of a command on this machine as one jax.distributed job (spmd.platform.launcher)."""
 
 import argparse
 import sys
@@ -7,7 +7,7 @@ from spmd.cli.common import Parser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spmd import launcher
+    from spmd.platform import launcher
 
     p = Parser(
         prog="spmd-launch",
@@ -41,8 +41,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from spmd.errors import UserError
-    from spmd.launcher import launch
+    from spmd.core.errors import UserError
+    from spmd.platform.launcher import launch
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

@@ -1,19 +1,19 @@
 """`spmd-plan`: choose a mesh and rules preset for a model on N devices within a memory budget
-(the search itself is spmd.planner)."""
+(the search itself is spmd.assembly.planner)."""
 
 import argparse
 import sys
 
+from spmd.analysis.hardware import planner_chips
 from spmd.cli.common import Parser, add_host_devices, run_main, set_host_devices, set_host_platform
-from spmd.hardware import planner_chips
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spmd import planner
-    from spmd.mesh import MESH_AXES
+    from spmd.assembly import planner
+    from spmd.core.mesh import MESH_AXES
 
     p = Parser(prog="spmd-plan", description=planner.__doc__.split("\n\n")[0])
-    from spmd import presets
+    from spmd.core import presets
 
     configs = ", ".join(presets.names(presets.folder("configs")))
     p.add_argument("--config", default="small", help=f"config preset ({configs}) or a .toml path [small]")
@@ -77,14 +77,14 @@ def _t(seconds: float) -> str:
 
 
 def run(args) -> int:
-    from spmd import planner
-    from spmd.config import load_config
-    from spmd.errors import UserError
-    from spmd.sharding import fmt_bytes
+    from spmd.assembly import planner
+    from spmd.assembly.config import load_config
+    from spmd.core.errors import UserError
+    from spmd.parallel.sharding import fmt_bytes
 
     device_list, memory = None, args.memory_per_device
     if args.topology:
-        from spmd import topology
+        from spmd.analysis import topology
 
         if args.host_devices is not None:
             raise UserError("--topology and --host-devices both name the devices; give one")
@@ -107,7 +107,7 @@ def run(args) -> int:
     budget = planner.parse_bytes(memory)
     hw = planner.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
     if device_list:
-        from spmd.hardware import cores_per_chip
+        from spmd.analysis.hardware import cores_per_chip
 
         hw = {k: v / cores_per_chip(device_list) for k, v in hw.items()}
     if not args.host_gbps > 0:

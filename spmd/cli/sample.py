@@ -6,7 +6,7 @@ import pathlib
 import sys
 
 from spmd.cli.common import Parser, add_checkpoint_flags, run_main
-from spmd.errors import log
+from spmd.core.errors import log
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,13 +35,13 @@ def main(argv=None) -> int:
 
 
 def run(args, may_relaunch: bool = False) -> int:
-    from spmd.setup import before_jax_starts
+    from spmd.assembly.setup import before_jax_starts
 
     # the host heap spmd-train runs with (cpu.host_heap's default): each step's temporaries reused,
     # not faulted in again
     before_jax_starts(None, may_relaunch=may_relaunch)
-    from spmd import inference
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
+    from spmd.io import inference
 
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -62,7 +62,7 @@ def run(args, may_relaunch: bool = False) -> int:
             ) from None
     if not texts:
         raise UserError("give a --prompt or a --prompts-file")
-    from spmd import tokenizer as tokenizer_lib
+    from spmd.data import tokenizer as tokenizer_lib
 
     if (args.system or args.chat_template) and not args.chat:
         raise UserError("--system and --chat-template are for --chat")
@@ -70,7 +70,7 @@ def run(args, may_relaunch: bool = False) -> int:
     tokenizer = tokenizer_lib.for_run(loaded.run_dir, loaded.cfg, loaded.meta.get("run", {}).get("tokenizer"))
     stop = set()
     if args.chat:
-        from spmd import chat
+        from spmd.data import chat
 
         template = chat.ChatTemplate.load(tokenizer, args.chat_template)
         system = [{"role": "system", "content": args.system}] if args.system else []

@@ -1,6 +1,6 @@
 """`spmd-train`: train a model from a config preset, a mesh shape and a sharding-rules file.
 
-parse -> assemble (spmd.setup) -> the run in its directory (spmd.run.train: resume or initialise,
+parse -> assemble (spmd.assembly.setup) -> the run in its directory (spmd.run.train: resume or initialise,
 the loop with its hooks).
 """
 
@@ -35,7 +35,7 @@ SHORTHANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     from spmd.cli.common import add_run_flags
-    from spmd.distributed import add_flags
+    from spmd.platform.distributed import add_flags
 
     p = Parser(
         prog="spmd-train",
@@ -116,14 +116,14 @@ def main(argv=None) -> int:
 
 
 def run(args, may_relaunch: bool = False) -> int:
-    from spmd import distributed
-    from spmd.setup import before_jax_starts
+    from spmd.assembly.setup import before_jax_starts
+    from spmd.platform import distributed
 
     overrides = list(args.set) + [
         f"{k}={getattr(args, f)}" for f, k in SHORTHANDS.items() if getattr(args, f) is not None
     ]
     if args.list_keys:
-        from spmd.config import keys_table, load_config
+        from spmd.assembly.config import keys_table, load_config
 
         print(keys_table(load_config(args.config or "small", overrides)))
         return 0
@@ -132,10 +132,10 @@ def run(args, may_relaunch: bool = False) -> int:
     import jax
 
     from spmd import run as run_lib
-    from spmd import sharding as sharding_lib
-    from spmd.errors import UserError
-    from spmd.rules import rules_table
-    from spmd.setup import assemble
+    from spmd.assembly.setup import assemble
+    from spmd.core.errors import UserError
+    from spmd.core.rules import rules_table
+    from spmd.parallel import sharding as sharding_lib
 
     if args.init_from and args.resume_from:
         raise UserError("--init-from and --resume-from exclude each other: one starts fresh, one resumes")
@@ -162,7 +162,7 @@ def profile_steps(text: str | None) -> tuple[int, int] | None:
     """--profile-steps A:B -> (A, B), 1-based and inclusive."""
     if text is None:
         return None
-    from spmd.errors import UserError
+    from spmd.core.errors import UserError
 
     first, colon, last = text.partition(":")
     try:

@@ -1,0 +1,1 @@
+"""Assembling a run: config, platform policy, setup (config -> mesh -> rules -> plan -> trainer), the planner."""

@@ -1,0 +1,211 @@
+"""Platform policy: every choice that depends on the devices a run compiles for, made once when the
+run is assembled (spmd.assembly.setup) into concrete values that the config, the plan and the log share.
+
+- `model.attention_impl = "auto"`: on a GPU the implementation measured fastest on that device
+  kind for the nearest shape (spmd.kernels.tuning: cuDNN or the Pallas flash kernel), the flash
+  kernel where nothing was measured, or with packed documents (cuDNN takes them only as a dense
+  T x T mask); on TPU the flash kernel (Mosaic: `pallas_tpu`, the kernel's TPU block layout;
+  `pallas` there means it too); on CPU chunked attention (memory O(T)) from CHUNKED_FROM
+  positions, plain XLA attention below. `cudnn` (cuDNN's
+  fused attention) only on NVIDIA GPUs with a 16-bit compute dtype; elsewhere an error that names
+  the alternatives.
+- The matmul library of CPU step programs (`cpu.matmul`, spmd/platform/cpu_matmul.py): oneDNN or XLA's own.
+- XLA options of the CPU parameter initialiser and train step (below).
+- How a pure data-parallel step sums its gradients (`cpu.grad_reduce`, spmd/parallel/dataparallel.py).
+- The KV cache layout for decoding: one array per layer on CPU (spmd.models.decoder.KVCache).
+- The loss: the cross-entropy without a float32 copy of the logits (spmd.training.loss) on GPU and TPU.
+
+The platform is the mesh's: compile-only TPU devices in a dry-run, whatever this host is.
+"""
+
+import dataclasses
+
+import jax
+
+from spmd.core.errors import UserError
+from spmd.kernels import tuning
+from spmd.parallel.dataparallel import GRAD_REDUCE
+from spmd.platform.cpu_matmul import CPU_MATMUL
+from spmd.platform.hostmem import HOST_HEAP
+
+# On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
+CHUNKED_FROM = 1024
+KERNELS = ("pallas", "pallas_tpu")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+# The parameter initialiser on CPU is mostly threefry random bits, one fusion per parameter, and
+# LLVM's full optimisation of each costs more than the program ever runs: at backend optimisation
+# level 1 it compiles several times faster and gives bit-identical parameters (level 0 does not).
+INIT_OPTIONS_CPU = {"xla_backend_optimization_level": 1}
+# The train step on CPU: copy insertion with region analysis. Without it XLA:CPU copies every AdamW
+# moment before updating it in place in the donated state (the parameter's update reads the old
+# moment); with it those copies go and the program is otherwise the same (bit-identical states:
+# tests/test_data_and_training.py).
+TRAIN_OPTIONS_CPU = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuConfig:
+    """The `[cpu]` table: tuning for runs on CPU devices (elsewhere only grad_reduce = flat is
+    checked, as an error)."""
+
+    # Library for the matmuls of CPU train/eval steps (spmd/platform/cpu_matmul.py): "onednn" (as PyTorch's
+    # CPU backend) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)
+    matmul: str = "onednn"
+    # Host memory of XLA:CPU programs (spmd/platform/hostmem.py): "tbbmalloc" relaunches the command under
+    # Intel's scalable allocator (the `tbb` wheel; large blocks cached apart from small objects),
+    # "retain" keeps glibc's freed heap memory for reuse (each step's temporaries are not faulted in
+    # again; the process stays at its peak size), "system" leaves glibc's malloc as it is, "auto"
+    # is tbbmalloc where installed (else retain) on a CPU host, system elsewhere
+    host_heap: str = "auto"
+    # How a pure data-parallel step sums its gradients: "flat" as one vector per dtype (DDP's
+    # buckets; XLA:CPU's gloo pays a fixed cost per all-reduce operand), "xla" as XLA's all-reduce of
+    # every array, "auto" flat on CPU across processes (spmd/parallel/dataparallel.py)
+    grad_reduce: str = "auto"
+
+    def check(self) -> list[str]:
+        problems = []
+        for key, choices in (("matmul", CPU_MATMUL), ("host_heap", HOST_HEAP), ("grad_reduce", GRAD_REDUCE)):
+            if getattr(self, key) not in choices:
+                problems.append(f"cpu.{key} must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
+        return problems
+
+
+def attention(
+    name: str, seq_len: int, platform: str, dtype: str = "bfloat16", device_kind: str = "", head_dim: int = 0,
+    packed: bool = False,
+) -> str:  # fmt: skip
+    """The implementation `model.attention_impl = name` runs as on `platform` with compute `dtype`
+    (`auto_reason` says why auto chose it)."""
+    return _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed)[0]
+
+
+def auto_reason(
+    seq_len: int, platform: str, dtype: str, device_kind: str, head_dim: int, packed: bool
+) -> str:
+    """Why `auto` runs what it runs on these devices, for the log."""
+    return _attention("auto", seq_len, platform, dtype, device_kind, head_dim, packed)[1]
+
+
+def _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed) -> tuple[str, str]:
+    if name == "cudnn":
+        others = "xla, chunked, pallas or auto"
+        if platform not in ("gpu", "cuda"):
+            raise UserError(
+                f"model.attention_impl = cudnn is NVIDIA's cuDNN fused attention; this run's devices are "
+                f"{platform}: use {others}"
+            )
+        if dtype not in ("bfloat16", "float16"):
+            raise UserError(
+                f"model.attention_impl = cudnn runs in bfloat16 or float16, and model.dtype is {dtype}: set "
+                f"model.dtype=bfloat16, or use {others}"
+            )
+    if platform == "tpu" and name in ("auto", "pallas"):
+        return "pallas_tpu", ""
+    if name == "auto":
+        if platform in GPU_PLATFORMS:
+            if packed:
+                return "pallas", "packed documents (cuDNN would take them as a dense T x T mask)"
+            measured = tuning.lookup(device_kind, dtype, head_dim, seq_len)
+            if measured is None:
+                return (
+                    "pallas",
+                    f"not measured on {device_kind or 'this GPU'} in {dtype} (scripts/gpu_check.py)",
+                )
+            return measured.fastest, measured.why()
+        if seq_len >= CHUNKED_FROM:
+            return "chunked", f"CPU, {seq_len} >= {CHUNKED_FROM} positions"
+        return "xla", f"CPU, {seq_len} < {CHUNKED_FROM} positions"
+    return name, ""
+
+
+def matmul(setting: str, platform: str) -> str:
+    """The matmul library of step programs under `cpu.matmul = setting`: oneDNN on CPU when asked,
+    else XLA's own ("xla")."""
+    return "onednn" if platform == "cpu" and setting == "onednn" else "xla"
+
+
+def grad_reduce(setting: str, platform: str, processes: int) -> str:
+    """How a pure data-parallel step sums its gradients: "flat" (one vector per dtype where the
+    layout allows it: spmd/parallel/dataparallel.py), "flat_required" (asked for: a layout that does not
+    allow it is an error) or "xla" (XLA's all-reduce). `auto` is flat on CPU across processes, where
+    gloo's cost per all-reduce operand is paid; in one process XLA:CPU's collectives are memory
+    copies."""
+    if setting == "flat" and platform != "cpu":
+        raise UserError(
+            f"cpu.grad_reduce=flat sums gradients as one vector on CPU devices; this run's devices are "
+            f"{platform}; use auto or xla"
+        )
+    if setting == "auto":
+        return "flat" if platform == "cpu" and processes > 1 else "xla"
+    return "flat_required" if setting == "flat" else setting
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What a run does on its platform (module doc), resolved once."""
+
+    platform: str
+    attention_requested: str  # model.attention_impl as configured
+    attention: str  # what it runs as
+    matmul: str  # "onednn" | "xla"
+    grad_reduce: str  # cpu.grad_reduce resolved (grad_reduce above)
+    init_options: dict | None
+    train_options: dict | None
+    kv_cache_per_layer: bool
+    attention_reason: str = ""  # why `auto` chose `attention` (for the log)
+    # the cross-entropy without a float32 copy of the logits (spmd.training.loss): on accelerators, where
+    # the logits' memory and passes count; CPU runs keep optax's (their pinned trajectories)
+    fused_loss: bool = False
+
+    def describe_attention(self) -> str:
+        """For the log, e.g. "auto -> chunked (O(T) memory)"."""
+        impl = self.attention
+        cpu = self.platform == "cpu"
+        note = {
+            "pallas": " (interpret mode on CPU: slow, for tests)" if cpu else " (Triton)",
+            "pallas_tpu": " (interpret mode on CPU: slow, for tests)" if cpu else " (Mosaic)",
+            "chunked": " (O(T) memory)",
+        }.get(impl, "")
+        why = (
+            f"; {self.attention_reason}"
+            if self.attention_requested == "auto" and self.attention_reason
+            else ""
+        )
+        return (
+            (f"{self.attention_requested} -> {impl}" if self.attention_requested != impl else impl)
+            + note
+            + why
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "platform": self.platform,
+            "attention_impl": self.attention,
+            "matmul": self.matmul,
+            "grad_reduce": self.grad_reduce,
+            "kv_cache_per_layer": self.kv_cache_per_layer,
+            "fused_loss": self.fused_loss,
+        }
+
+
+def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
+    """The choices of config `cfg` (spmd.assembly.config.Config) on devices of `platform` (and kind)."""
+    cpu = platform == "cpu"
+    shape = (
+        cfg.train.seq_len, platform, cfg.model.dtype, device_kind,
+        cfg.model_family.figures(cfg.model, cfg.train.seq_len).head_dim, cfg.data.packing == "segments",
+    )  # fmt: skip
+    impl, reason = _attention(cfg.model.attention_impl, *shape)
+    return Choices(
+        platform=platform,
+        attention_requested=cfg.model.attention_impl,
+        attention=impl,
+        attention_reason=reason,
+        matmul=matmul(cfg.cpu.matmul, platform),
+        grad_reduce=grad_reduce(cfg.cpu.grad_reduce, platform, jax.process_count()),
+        init_options=dict(INIT_OPTIONS_CPU) if cpu else None,
+        train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
+        kv_cache_per_layer=cpu,
+        fused_loss=not cpu,
+    )

@@ -1,0 +1,151 @@
+"""The one seam between models and the mesh: logical axis names, activation constraints, and the
+parallel implementations a model may call.
+
+Models call `constrain(x, ("batch", "seq", "act_embed"))` and know nothing else about meshes. The
+trainer activates a (rules, mesh, ops) triple while it traces the step (`spmd.parallel.sharding.activate`);
+outside that, `constrain` is a no-op, so the model runs unchanged on one device, in tests, or under
+`jax.eval_shape`.
+
+`ops` is how parallel code that must see the mesh (context-parallel attention, the dropless MoE's
+all-to-all) reaches the model without the model importing it: the model asks `provided(name)` for
+an implementation only when `is_split(...)` says the active rules need one.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+from jax.sharding import NamedSharding
+
+from spmd.core.mesh import axes_size, platform_of
+
+# Logical axes of activations that both the model and the parallel implementations name.
+Q_AXES = ("batch", "seq", "act_heads", "head_dim")  # queries and attention outputs, BTNH
+KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")  # keys and values, BSKH
+TOKEN_AXES = ("batch", "seq")  # token ids, positions, segment ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Active:
+    rules: object  # spmd.core.rules.Rules
+    mesh: jax.sharding.Mesh
+    ops: Mapping[str, Callable]  # name -> parallel implementation (spmd.parallel.sharding.PARALLEL_OPS)
+
+
+_ACTIVE = contextvars.ContextVar("spmd_activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(rules, mesh, ops: Mapping[str, Callable] | None = None):
+    token = _ACTIVE.set(Active(rules, mesh, dict(ops or {})))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def rules_replaced(rules):
+    """The active mesh and parallel ops under other rules (a pipeline's layers: the stage axis is
+    the vmapped one, so the batch is split over the other axes)."""
+    current = _ACTIVE.get()
+    with activation_sharding(rules, current.mesh, current.ops):
+        yield
+
+
+def active():
+    """The (rules, mesh) pair active while tracing, or None (one device, tests, eval_shape)."""
+    current = _ACTIVE.get()
+    return None if current is None else (current.rules, current.mesh)
+
+
+def split_axes(rules, mesh, name: str) -> tuple[str, ...]:
+    """The mesh axes, of more than one device, that the logical axis `name` is split over."""
+    return tuple(a for a in rules.mapping.get(name, ()) if mesh.shape[a] > 1)
+
+
+def split_size(rules, mesh, name: str) -> int:
+    """How many ways the logical axis `name` is split (1: not split)."""
+    return axes_size(mesh.shape, split_axes(rules, mesh, name))
+
+
+def is_split(name: str) -> bool:
+    """Whether the active rules split the logical axis `name` over more than one device."""
+    current = _ACTIVE.get()
+    return current is not None and bool(split_axes(current.rules, current.mesh, name))
+
+
+def provided(name: str) -> Callable:
+    """The parallel implementation `name` handed in with the active rules."""
+    current = _ACTIVE.get()
+    if current is None or name not in current.ops:
+        raise RuntimeError(
+            f"the model needs the parallel implementation {name!r}, which the active sharding does not "
+            f"provide; activate rules with spmd.parallel.sharding.activate(rules, mesh)"
+        )
+    return current.ops[name]
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    current = _ACTIVE.get()
+    if current is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, current.rules.spec(logical)))
+
+
+def can_merge(logical: tuple[str, ...]) -> bool:
+    """Whether adjacent dimensions with these logical names can be flattened into one without
+    moving data: true unless a dimension after the first is split over devices."""
+    return not any(is_split(name) for name in logical[1:])
+
+
+def per_device_program() -> bool:
+    """Whether the traced program is each device's whole computation: no rules active (one device,
+    tests, inside a shard_map) or a mesh of one device. Rewrites that reshape activations freely
+    (XLA:CPU matmul layouts) are safe only then: under GSPMD they could move data between devices."""
+    current = _ACTIVE.get()
+    return current is None or current.mesh.size == 1
+
+
+def target_device_kind() -> str:
+    """The kind of the devices the traced program is for (`jax.Device.device_kind`)."""
+    current = _ACTIVE.get()
+    return (current.mesh.devices.flat[0] if current is not None else jax.devices()[0]).device_kind
+
+
+def target_platform() -> str:
+    """The platform of the devices the traced program is for: the active mesh's (compile-only TPU
+    devices in a dry-run), else JAX's default devices'."""
+    current = _ACTIVE.get()
+    return platform_of(current.mesh) if current is not None else jax.devices()[0].platform
+
+
+def per_shard(fn, in_logical, out_logical):
+    """`fn` applied to each device's shards (shard_map over the active mesh), for ops GSPMD cannot
+    partition by itself (Pallas kernels). Identity when no rules are active (one device, tests).
+
+    `in_logical` / `out_logical` give each argument's / the result's logical axes. Axes of size 1
+    are left out of the specs; a sharded `seq` axis is refused: per-shard attention would then see
+    only part of the sequence (that needs ring or all-to-all attention).
+    """
+    current = _ACTIVE.get()
+    if current is None:
+        return fn
+    rules, mesh = current.rules, current.mesh
+
+    def spec(logical):
+        if "seq" in logical and split_axes(rules, mesh, "seq"):
+            raise ValueError(
+                f"rules {rules.name!r} shard the sequence, which per-shard attention cannot handle"
+            )
+        return rules.spec(logical)
+
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(spec(names) for names in in_logical),
+        out_specs=spec(out_logical),
+        check_vma=False,
+    )

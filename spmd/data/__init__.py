@@ -1,0 +1,1 @@
+"""Data: prepared shards and tokenizers, chat rendering, the batches a run reads."""

@@ -1,0 +1,1 @@
+"""Parallelism: the sharding plan and one module per strategy (data, FSDP, tensor, context, expert, pipeline), memory kinds."""

@@ -1,0 +1,1 @@
+"""The train state and its jitted steps: trainer, optimizer, loss, model transforms (LoRA)."""

@@ -1,0 +1,465 @@
+"""Train state, the jitted train and eval steps, and the Trainer that ties them to a mesh.
+
+The train state is a plain pytree `{"params", "opt_state", "step"}` whose shardings come from the
+rules. The step takes and returns it with those shardings and donates the old one. Under `[lora]`
+(spmd.training.lora) `params` holds the adapters alone and `base` the frozen weights, passed through.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd.parallel import context, dataparallel, memory
+from spmd.parallel import sharding as sharding_lib
+from spmd.platform import cpu_matmul
+from spmd.training import lora
+from spmd.training.loss import cross_entropy
+from spmd.training.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
+
+Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
+
+
+def batch_keys(cfg) -> tuple[str, ...]:
+    """The (B, T) int32 arrays of a batch: inputs and targets, and with packed documents each
+    token's segment id, position in its document, and whether its target counts."""
+    from spmd.data.loader import PACKED_FIELDS
+
+    return PACKED_FIELDS if cfg.data.packing == "segments" else ("inputs", "targets")
+
+
+def token_losses(
+    graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, aux_weights=None,
+    fused_loss: bool = False,
+):  # fmt: skip
+    """Sums over the batch's counted tokens: (total loss, (cross-entropy, z-loss, count, aux sums)).
+
+    `seq_perm` (context parallelism's load balance) reorders every sequence before the model; the
+    model gets each token's true position, and the sums do not depend on the order.
+    `aux_weights`: the weight of each of the model's auxiliary losses (spmd.core.family.Aux) in the
+    total; the aux sums hold each loss's mean times the count, and the model's statistics.
+    `fused_loss`: the cross-entropy of spmd.training.loss (no float32 copy of the logits; the platform
+    policy's choice), else optax's on float32 logits."""
+    inputs_BT, targets_BT, positions_BT, order_BT = batch["inputs"], batch["targets"], None, None
+    # Packed documents (data.packing = segments): each token's document, its position in it (for
+    # RoPE), and which targets count (not the first token of a document, predicted from the one
+    # before).
+    segment_ids_BT, loss_mask_BT = batch.get("segment_ids"), batch.get("loss_mask")
+    if segment_ids_BT is not None:
+        positions_BT = batch["positions"]
+    if seq_perm is not None:
+        inputs_BT, targets_BT = inputs_BT[:, seq_perm], targets_BT[:, seq_perm]
+        # Each token's index in the sequence: the positions of an unpacked sequence, and what
+        # context parallelism's masks compare for a packed one.
+        order_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), inputs_BT.shape)
+        if segment_ids_BT is None:
+            positions_BT, order_BT = order_BT, None
+        else:
+            positions_BT, segment_ids_BT = positions_BT[:, seq_perm], segment_ids_BT[:, seq_perm]
+            loss_mask_BT = loss_mask_BT[:, seq_perm]
+    logits_BTV, _, aux = nnx.merge(graphdef, params).forward(
+        inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
+    )
+    lse_BT = None
+    if fused_loss:
+        ce_BT, lse_BT = cross_entropy(logits_BTV, targets_BT)
+    else:
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
+    if loss_mask_BT is not None:
+        mask_BT = mask_BT & (loss_mask_BT != 0)
+    mask_BT = mask_BT.astype(jnp.float32)
+    ce_sum = jnp.sum(ce_BT * mask_BT)
+    z_sum = jnp.zeros((), jnp.float32)
+    if z_loss:
+        lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1) if lse_BT is None else lse_BT
+        z_sum = z_loss * jnp.sum(jnp.square(lse_BT) * mask_BT)
+    count = jnp.sum(mask_BT)
+    if aux is None:
+        return ce_sum + z_sum, (ce_sum, z_sum, count, {})
+    # Auxiliary losses are means over the layers that make them; weighted by the token count like
+    # the other sums, so dividing by the count (after accumulation) leaves weight x mean.
+    means = {name: jnp.mean(v) for name, v in aux.losses.items()}
+    weighted = None
+    for name, weight in (aux_weights or {}).items():
+        term = weight * means[name]
+        weighted = term if weighted is None else weighted + term
+    sums = {**{name: m * count for name, m in means.items()}, **aux.sums}
+    total = ce_sum + z_sum + (weighted * count if weighted is not None else 0.0)
+    return total, (ce_sum, z_sum, count, sums)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything needed to run jitted steps of one config on one mesh."""
+
+    cfg: object  # spmd.assembly.config.Config
+    plan: sharding_lib.ShardingPlan
+    tx: optax.GradientTransformation
+    state_shardings: dict
+    update_shardings: dict  # where gradients are reduced to and the update runs (params' shape)
+    train_step: object  # jitted (state, batch) -> (state, metrics)
+    eval_step: object  # jitted (params, batch) -> (ce_sum, count)
+    init_state: object  # jitted () -> state
+    state_from_params: object  # jitted params -> state with fresh optimizer state at step 0
+    # The mesh axes a pure data-parallel step sums its gradients over as one flat vector
+    # (spmd/parallel/dataparallel.py); None when XLA's all-reduce does it.
+    flat_grad_axes: tuple[str, ...] | None = None
+    # () -> jitted (state, batch, max_loss) -> (state, metrics): train_step that also leaves the
+    # state unchanged when the loss is above max_loss (train.on_spike = skip, spmd.loop.spikes); made
+    # only by runs that use it (a oneDNN program is kept alive once made: spmd.platform.cpu_matmul.keep)
+    guarded_step: object = None
+
+    def model_params(self, state) -> dict:
+        """The whole model's parameters in a train state: `params`, with the frozen `base` of a
+        LoRA run (spmd.training.lora) beside its adapters."""
+        return lora.combine(state["params"], state["base"]) if "base" in state else state["params"]
+
+    def to_canonical(self, state):
+        """The train state as checkpoints hold it: its layer stacks in canonical order (new arrays
+        under a circular pipeline's permuted storage, the arrays themselves otherwise), without a
+        LoRA run's frozen base (the checkpoint refers to it: spmd.io.checkpoint.frozen_base)."""
+        saved = {k: v for k, v in state.items() if k != "base"}
+        return self.plan.to_canonical(saved, {k: self.state_shardings[k] for k in saved})
+
+    def from_canonical(self, state, base=None):
+        """The inverse of `to_canonical` (after a restore), with a LoRA run's `base` put back."""
+        state = self.plan.from_canonical(state, {k: self.state_shardings[k] for k in state})
+        return state if base is None else {**state, "base": base}
+
+    @functools.cached_property
+    def abstract_saved(self):
+        """`abstract_state` as checkpoints hold it (without a LoRA run's base): a restore target."""
+        return {k: v for k, v in self.abstract_state.items() if k != "base"}
+
+    @functools.cached_property
+    def abstract_weights(self):
+        """The weights a run starts from (`--init-from`): the model's parameters, or under [lora]
+        the base's (every parameter but the adapters), in the parameter dtype."""
+        return (
+            lora.split(self.plan.abstract_params)[1] if self.cfg.lora.enabled else self.plan.abstract_params
+        )
+
+    def fresh_weights(self, seed: int):
+        """`abstract_weights` drawn from `seed`, as a fresh run draws them."""
+        shardings = jax.tree.map(lambda x: x.sharding, self.abstract_weights)
+        init = self.plan.init_params
+        return jax.jit(
+            lambda: lora.split(init(seed))[1] if self.cfg.lora.enabled else init(seed),
+            out_shardings=shardings,
+        )()
+
+    @functools.cached_property
+    def abstract_state(self):
+        """The state as ShapeDtypeStructs carrying its shardings: a restore target, a compile input."""
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(self.init_state),
+            self.state_shardings,
+        )
+
+    def state_bytes(self) -> dict:
+        """Per device (the most loaded one): parameters, gradients (as the update consumes them:
+        split like the update under a sharded weight update), the optimizer state in all, and the
+        optimizer state by "dtype memory-kind" (e.g. "bfloat16 pinned_host")."""
+        opt = self.abstract_state["opt_state"]
+        by = {}
+        for x in jax.tree.leaves(opt):
+            key = f"{jnp.dtype(x.dtype).name} {x.sharding.memory_kind or 'device'}"
+            by[key] = by.get(key, 0) + sharding_lib.tree_bytes_per_device(x)
+        trained = self.abstract_state["params"]
+        grads = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), trained, self.update_shardings
+        )
+        frozen = sharding_lib.tree_bytes_per_device(self.abstract_state.get("base", {}))
+        return {
+            "params": sharding_lib.tree_bytes_per_device(trained) + frozen,
+            "frozen_params": frozen,
+            "gradients": sharding_lib.tree_bytes_per_device(grads),
+            "optimizer_state": sum(by.values()),
+            "optimizer_state_on_host": sum(v for k, v in by.items() if k.endswith(memory.HOST)),
+            "optimizer_state_by_kind": dict(sorted(by.items())),
+        }
+
+    def abstract_batch(self, batch: int, seq_len: int) -> Batch:
+        return {
+            name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
+            for name in batch_keys(self.cfg)
+        }
+
+
+def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
+    """The jitted steps of `cfg` under `plan`, compiled as the platform `choices` say
+    (spmd.assembly.policy.Choices: matmul library, XLA options, how gradients are summed)."""
+    mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
+    tcfg = cfg.train
+    adapted = cfg.lora.enabled
+    # What trains: every parameter, or under [lora] the adapters (the base is frozen: spmd.training.lora).
+    trained_of = (lambda tree: lora.split(tree)[0]) if adapted else (lambda tree: tree)
+    abstract_trained = trained_of(plan.abstract_params)
+    tx = make_optimizer(
+        cfg.optimizer, tcfg.steps, trained_of(decay_mask(plan)), trained_of(matrix_dims(plan))
+    )
+    schedule = lr_schedule(cfg.optimizer, tcfg.steps)
+
+    opt_shapes = jax.eval_shape(tx.init, abstract_trained)
+    # The optimizer state follows its parameter's sharding, split further over the rules'
+    # shard_optimizer_over axes (the sharded weight update); so does the update itself, below.
+    # State that is not shaped like its parameter (Adafactor's factored rows and columns, step
+    # counters) is replicated: it is small.
+    opt_shardings = sharding_lib.like_params(
+        opt_shapes,
+        abstract_trained,
+        lambda leaf, p: (
+            sharding_lib.update_sharding(rules, mesh, p.sharding, leaf.shape)
+            if leaf.shape == p.shape
+            else plan.replicated
+        ),
+        plan.replicated,
+    )
+    update_shardings = jax.tree.map(
+        lambda x: sharding_lib.update_sharding(rules, mesh, x.sharding, x.shape), abstract_trained
+    )
+    # optimizer.offload: the state lives in host memory between steps and is streamed to the
+    # device for the update (the moves are XLA's, from the memory kinds; spmd/parallel/memory.py).
+    offload = cfg.optimizer.offload
+    stored_opt_shardings = memory.host_shardings(opt_shardings) if offload else opt_shardings
+    trained_shardings = jax.tree.map(lambda x: x.sharding, abstract_trained)
+    state_shardings = {
+        "params": trained_shardings,
+        "opt_state": stored_opt_shardings,
+        "step": plan.replicated,
+    }
+    base_dtype = jnp.dtype(cfg.lora.base_dtype or cfg.model.param_dtype)
+    if adapted:
+        state_shardings["base"] = lora.split(plan.param_shardings)[1]
+
+    def init():
+        params = plan.init_params(tcfg.seed)
+        return from_params(lora.split(params)[1] if adapted else params)
+
+    def from_params(params):
+        """A fresh state from trained parameters; under [lora], from the base weights (the
+        adapters start fresh from the seed: B = 0, so the model starts as the base)."""
+        if adapted:
+            base = jax.tree.map(lambda x: x.astype(base_dtype), params)
+            trained = lora.split(plan.init_params(tcfg.seed))[0]  # the base's draws are dead code
+            return {
+                "params": trained,
+                "base": base,
+                "opt_state": tx.init(trained),
+                "step": jnp.zeros((), jnp.int32),
+            }
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
+    family = plan.family
+    aux_weights = family.aux_weights(cfg.model)
+
+    def losses_of(params, batch):
+        return token_losses(
+            graphdef,
+            params,
+            batch,
+            z_loss=tcfg.z_loss,
+            mask_token_id=cfg.data.mask_token_id,
+            seq_perm=seq_perm,
+            aux_weights=aux_weights,
+            fused_loss=choices.fused_loss,
+        )
+
+    losses = jax.value_and_grad(losses_of, has_aux=True)
+    k = tcfg.microbatches
+    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
+    # Pure data parallelism on CPU across processes: each device's gradient summed as one vector
+    # (spmd/parallel/dataparallel.py); the model then traces per device, without activation constraints.
+    dense = not family.aux_weights(cfg.model)
+    flat_axes = (
+        None if adapted else dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
+    )
+
+    def grads_and_sums(params, batch: Batch, base=None, key=None):
+        """Gradients of `params` (with the frozen `base` of a LoRA run beside them) and the sums;
+        `key`: the step's dropout key (LoRA), one per microbatch."""
+
+        def one(batch, i):
+            with lora.dropout_key(None if key is None else jax.random.fold_in(key, i)):
+                if base is None:
+                    return losses(params, batch)
+                return jax.value_and_grad(lambda p, b: losses_of(lora.combine(p, base), b), has_aux=True)(
+                    params, batch
+                )
+
+        if k == 1:
+            (_, sums), grads = one(batch, 0)
+            return grads, sums
+
+        # Microbatch i takes rows i, i+k, i+2k, ...: the reshape keeps each device's rows on that
+        # device, so splitting the batch moves no data.
+        def split(x_BT):
+            B, T = x_BT.shape
+            x_kbT = x_BT.reshape(B // k, k, T).swapaxes(0, 1)
+            return x_kbT if flat_axes else jax.lax.with_sharding_constraint(x_kbT, micro_sharding)
+
+        def accumulate(carry, microbatch):
+            grads_acc, sums_acc = carry
+            (_, sums), grads = one(*microbatch)
+            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+
+        sums_shape = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[::k], batch), 0)[0][1])
+        zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        if flat_axes:  # per device in a shard_map: the carry varies over the data axes, as the sums do
+            zero_sums = jax.lax.pcast(zero_sums, flat_axes, to="varying")
+        zeros = (jax.tree.map(jnp.zeros_like, params), zero_sums)
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jax.tree.map(split, batch), jnp.arange(k)))
+        return grads, sums
+
+    def train_step(state, batch: Batch, max_loss=None):
+        if flat_axes:
+            summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
+            grads, (ce_sum, z_sum, count, aux) = summed(state["params"], batch)
+        else:
+            key = None
+            if adapted and cfg.lora.dropout:
+                key = jax.random.fold_in(jax.random.key(tcfg.seed), state["step"])
+            with plan.activate():
+                grads, (ce_sum, z_sum, count, aux) = grads_and_sums(
+                    state["params"], batch, state.get("base"), key
+                )
+        grads = jax.tree.map(lambda g: g / count, grads)
+        # Gradients are reduced to where the update runs: the parameters' sharding, or under a
+        # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
+        # one); the updated parameters are gathered back to their own sharding by out_shardings.
+        grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+        old_opt_state = jax.device_put(state["opt_state"], opt_shardings) if offload else state["opt_state"]
+        updates, opt_state = tx.update(grads, old_opt_state, state["params"])
+        updates = jax.lax.with_sharding_constraint(updates, update_shardings)
+        params = optax.apply_updates(state["params"], updates)
+        grad_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient skips the update: parameters and optimizer state stay as
+        # they were (a select, fused into the update, so the kept branch is bit-identical).
+        finite = jnp.isfinite(ce_sum) & jnp.isfinite(z_sum) & jnp.isfinite(grad_norm)
+        # Under on_spike = skip a loss above the threshold the loop passes is skipped alike.
+        spiked = None if max_loss is None else finite & (ce_sum / count > max_loss)
+        keep = finite if spiked is None else finite & ~spiked
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(keep, new, old),
+            (params, opt_state),
+            (state["params"], old_opt_state),
+        )
+        metrics = {
+            "loss": ce_sum / count,
+            "z_loss": z_sum / count,
+            "grad_norm": grad_norm,
+            "learning_rate": schedule(state["step"]),
+            "tokens": count,
+            "skipped": 1 - keep.astype(jnp.int32),
+            "aux": family.aux_metrics(aux, count) if aux else {},  # the model's own, by name
+        }
+        if spiked is not None:
+            metrics["spiked"] = spiked.astype(jnp.int32)
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        if adapted:
+            new_state["base"] = state["base"]  # frozen, passed through (donated, so not copied)
+        return new_state, metrics
+
+    batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
+    return Trainer(
+        cfg=cfg,
+        plan=plan,
+        tx=tx,
+        state_shardings=state_shardings,
+        update_shardings=update_shardings,
+        train_step=cpu_matmul.jit(
+            train_step,
+            choices.matmul,
+            in_shardings=(state_shardings, batch_shardings),
+            out_shardings=(state_shardings, plan.replicated),
+            donate_argnums=0,
+            compiler_options=choices.train_options,
+        ),
+        guarded_step=lambda: cpu_matmul.jit(
+            train_step,
+            choices.matmul,
+            in_shardings=(state_shardings, batch_shardings, plan.replicated),
+            out_shardings=(state_shardings, plan.replicated),
+            donate_argnums=0,
+            compiler_options=choices.train_options,
+        ),
+        eval_step=build_eval_step(cfg, plan, choices),
+        init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=choices.init_options),
+        state_from_params=jax.jit(from_params, out_shardings=state_shardings),
+        flat_grad_axes=flat_axes,
+    )
+
+
+def build_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
+    """Jitted (params, batch) -> (summed cross-entropy, counted tokens): needs no optimizer, so
+    evaluation and sampling build only this."""
+    rules, mesh = plan.rules, plan.mesh
+
+    def eval_step(params, batch: Batch):
+        with plan.activate():
+            _, (ce_sum, _, count, _) = token_losses(
+                plan.graphdef,
+                params,
+                batch,
+                z_loss=0.0,
+                mask_token_id=cfg.data.mask_token_id,
+                seq_perm=context.seq_permutation(rules, mesh, batch["inputs"].shape[1]),
+                fused_loss=choices.fused_loss,
+            )
+        return ce_sum, count
+
+    batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
+    return cpu_matmul.jit(
+        eval_step,
+        choices.matmul,
+        in_shardings=(plan.param_shardings, batch_shardings),
+        out_shardings=plan.replicated,
+    )
+
+
+def held_out_sums(
+    eval_step, params, batches, n_batches: int, source: str | None = None
+) -> tuple[float, float]:
+    """(summed cross-entropy, counted tokens) over the first `n_batches` held-out batches (of a
+    mixture's `source` when given)."""
+    total, count = 0.0, 0.0
+    for i in range(n_batches):
+        ce_sum, n = eval_step(params, batches.eval_batch(i, source) if source else batches.eval_batch(i))
+        total, count = total + float(ce_sum), count + float(n)
+    return total, count
+
+
+def evaluate(trainer: Trainer, params, batches) -> float:
+    """Mean held-out cross-entropy per counted token over `eval_batches` fixed batches."""
+    total, count = held_out_sums(trainer.eval_step, params, batches, trainer.cfg.train.eval_batches)
+    return total / max(count, 1.0)
+
+
+def held_out_by_source(eval_step, params, batches, n_batches: int) -> tuple[float, float, dict[str, float]]:
+    """(summed cross-entropy, counted tokens, {source: mean loss}) over `n_batches` held-out
+    batches: of each source for a mixture (the sums over all of them), else of the one split."""
+    if not batches.val_sources:
+        return *held_out_sums(eval_step, params, batches, n_batches), {}
+    total, count, per_source = 0.0, 0.0, {}
+    for name in batches.val_sources:
+        t, n = held_out_sums(eval_step, params, batches, n_batches, name)
+        per_source[name] = t / max(n, 1.0)
+        total, count = total + t, count + n
+    return total, count, per_source
+
+
+def evaluate_all(trainer: Trainer, params, batches) -> dict[str, float]:
+    """{"eval_loss": ...}; for a mixture, eval_loss/<name> per source over `eval_batches` batches
+    of each, and eval_loss their mean per counted token."""
+    total, count, per_source = held_out_by_source(
+        trainer.eval_step, params, batches, trainer.cfg.train.eval_batches
+    )
+    return {"eval_loss": total / max(count, 1.0), **{f"eval_loss/{k}": v for k, v in per_source.items()}}
