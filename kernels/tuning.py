@@ -1,5 +1,5 @@
 """Measured choices for attention on accelerators: `tuned.toml` beside this file, written from
-`scripts/gpu_check.py`'s sweep on a device and kept in the repository.
+`scripts/gpu/gpu_check.py`'s sweep on a device and kept in the repository.
 
 Each `[[attention]]` entry is one device kind (`jax.Device.device_kind`, e.g. "NVIDIA H200"),
 compute dtype, head dim and sequence length, with the forward+backward TFLOP/s of each
@@ -55,7 +55,7 @@ def lookup(device_kind: str, dtype: str, head_dim: int, seq_len: int, table=None
 
 
 def to_toml(measured: list[Measured]) -> str:
-    """`tuned.toml`'s text for these entries (what scripts/gpu_check.py writes)."""
+    """`tuned.toml`'s text for these entries (what scripts/gpu/gpu_check.py writes)."""
 
     def value(v):
         if isinstance(v, dict):

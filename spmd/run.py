@@ -20,6 +20,7 @@ import time
 import jax
 import numpy as np
 
+from spmd import start as start_lib
 from spmd.analysis import oom
 from spmd.assembly.config import config_from_json
 from spmd.core.errors import UserError, log
@@ -80,7 +81,7 @@ def train(
     batches = setup.batches()
     tokenizer = data_tokenizer(setup.cfg.data)
     data_record = data_tokenizer_record(setup.cfg.data)
-    start = ckpt.resume_or_init(
+    start = start_lib.resume_or_init(
         setup.trainer, batches, run_dir, resume_from, overwrite, init["record"]["path"] if init else None,
         data_record, allow_tokenizer_change,
     )  # fmt: skip

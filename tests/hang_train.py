@@ -1,4 +1,4 @@
-"""spmd-train (scripts/train.py's arguments) with failures injected, for the restart tests.
+"""spmd-train (its arguments) with failures injected, for the restart tests.
 
 When a process is about to fetch the batch of step $HANG_STEP (0-based) and `$HANG_MARK.<process>`
 does not exist yet, it creates the mark and blocks forever, as a wedged data read or a

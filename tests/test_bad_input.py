@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-from test_cli import ROOT
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 
@@ -107,7 +106,7 @@ CASES = {
 def test_bad_input_is_one_error_line(files, case):
     args, expected = CASES[case]
     script, *rest = args
-    cmd = [sys.executable, str(ROOT / "scripts" / script), *(a.format(d=files) for a in rest)]
+    cmd = [sys.executable, "-m", f"spmd.cli.{script.removesuffix('.py')}", *(a.format(d=files) for a in rest)]
     if script in ("train.py", "sample.py", "eval.py", "ckpt.py"):
         cmd += ["--host-devices", "1"] + (["--mesh", "fsdp=1"] if script in ("sample.py", "eval.py") else [])
     before = sorted(p.name for p in files.iterdir())
@@ -123,7 +122,8 @@ def test_a_bad_host_device_count_in_the_environment_names_it(tmp_path):
     env = {**os.environ, "SPMD_HOST_DEVICES": "abc"}
     cmd = [
         sys.executable,
-        str(ROOT / "scripts" / "train.py"),
+        "-m",
+        "spmd.cli.train",
         "--config",
         "tiny",
         "--run-dir",
@@ -151,7 +151,7 @@ def test_a_cpu_host_with_libtpu_installed_gets_only_the_error_line(tmp_path):
     if not hostmem.cpu_host(platforms=""):
         pytest.skip("a TPU or GPU is visible: JAX is meant to initialise it")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "tiny", "--rules", "nonesuch",
+    cmd = [sys.executable, "-m", "spmd.cli.train", "--config", "tiny", "--rules", "nonesuch",
            "--run-dir", str(tmp_path / "run")]  # fmt: skip
     result = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL
@@ -165,7 +165,7 @@ def test_a_cpu_host_with_libtpu_installed_gets_only_the_error_line(tmp_path):
 def test_launcher_ports_and_signalled_children():
     import socket
 
-    launch = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2"]
+    launch = [sys.executable, "-m", "spmd.cli.launch", "--processes", "2"]
 
     def run(*args):
         return subprocess.run(

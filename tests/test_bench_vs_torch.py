@@ -1,4 +1,4 @@
-"""scripts/bench_vs_torch.py: our side's workers answer the orchestrator's protocol with real
+"""scripts/bench/bench_vs_torch.py: our side's workers answer the orchestrator's protocol with real
 measurements, and bad flags are refused. (PyTorch's side needs its own venv: not run here.)"""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench_vs_torch.py"
+SCRIPT = ROOT / "scripts" / "bench" / "bench_vs_torch.py"
 
 
 def worker(spec: dict, windows: int = 2) -> list[dict]:

@@ -1,6 +1,6 @@
 """Chat data (spmd.data.chat, spmd-data prepare --format chat): conversations rendered and tokenized
 exactly as transformers' apply_chat_template does (fixtures made by transformers:
-scripts/make_chat_fixtures.py), assistant-token masks equal to transformers' own, the mask stored
+tests/fixtures/make_chat_fixtures.py), assistant-token masks equal to transformers' own, the mask stored
 and verified beside the shards, and masked training that counts only trained tokens and equals
 the single-device run on every mesh."""
 
@@ -188,7 +188,6 @@ def test_cli_chat_errors_are_one_line_and_exit_2(tmp_path):
     (tmp_path / "prompt.jsonl").write_text(
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
     )
-    script = pathlib.Path(__file__).parent.parent / "scripts" / "data.py"
     llama3 = str(FIXTURES / "llama3" / "tokenizer.json")
     plain = str(FIXTURES.parent / "hf" / "llama" / "tokenizer.json")
     cases = {
@@ -198,7 +197,7 @@ def test_cli_chat_errors_are_one_line_and_exit_2(tmp_path):
     }
     for (data, tok), message in cases.items():
         done = subprocess.run(
-            [sys.executable, str(script), "prepare", str(tmp_path / data), "--format", "chat", "--tokenizer", tok,
+            [sys.executable, "-m", "spmd.cli.data", "prepare", str(tmp_path / data), "--format", "chat", "--tokenizer", tok,
              "--out", str(tmp_path / "out"), "--quiet"],
             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
         )  # fmt: skip

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from spmd import start as start_lib
 from spmd.assembly.config import load_config
 from spmd.assembly.setup import assemble
 from spmd.core.errors import UserError
@@ -99,7 +100,7 @@ def test_changed_global_batch_continues_the_sample_stream(tiny_cfg, devices, tmp
     save(tmp_path, state, 4, batches)
     big = load_config("tiny", ["train.global_batch_size=16"])
     trainer16, batches16 = setup(big, "fsdp=8", "fsdp", 8)
-    start = ckpt.resume_or_init(trainer16, batches16, tmp_path / "elsewhere", resume_from=str(tmp_path))
+    start = start_lib.resume_or_init(trainer16, batches16, tmp_path / "elsewhere", resume_from=str(tmp_path))
     restored, step, warnings = start.state, start.step, start.notes
     assert step == 4 and int(restored["step"]) == 4
     np.testing.assert_array_equal(
@@ -112,15 +113,15 @@ def test_changed_global_batch_continues_the_sample_stream(tiny_cfg, devices, tmp
 
 def test_resume_or_init_prefers_the_run_dirs_latest_commit_unless_overwritten(tiny_cfg, devices, tmp_path):
     trainer, batches = setup(tiny_cfg, "fsdp=8", "fsdp", 8)
-    fresh = ckpt.resume_or_init(trainer, batches, tmp_path)
+    fresh = start_lib.resume_or_init(trainer, batches, tmp_path)
     assert fresh.step == 0 and fresh.notes == []
     state, _ = train(trainer, batches, fresh.state, range(2))
     saved = jax.tree.map(np.asarray, jax.device_get(state))
     save(tmp_path, state, 2, batches)
-    resumed = ckpt.resume_or_init(trainer, batches, tmp_path)
+    resumed = start_lib.resume_or_init(trainer, batches, tmp_path)
     assert resumed.step == 2 and "resumed from" in resumed.notes[0]
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state), saved)
-    assert ckpt.resume_or_init(trainer, batches, tmp_path, overwrite=True).step == 0
+    assert start_lib.resume_or_init(trainer, batches, tmp_path, overwrite=True).step == 0
 
 
 def test_restore_params_reads_only_the_parameters_onto_another_mesh(tiny_cfg, devices, tmp_path):

@@ -6,14 +6,15 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import ROOT, spmd_train
+from test_cli import spmd_train
 
+from spmd import start as start_lib
 from spmd.io import checkpoint as ckpt
 
 
 def spmd_ckpt(*args, env=None):
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "ckpt.py"), *args],
+        [sys.executable, "-m", "spmd.cli.ckpt", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -255,22 +256,22 @@ def test_edited_or_renamed_metadata_is_refused(trained, tmp_path):
     meta = json.loads((edited / "10" / meta_file).read_text())
     (edited / "10" / meta_file).write_text(json.dumps({**meta, "consumed_samples": 8}))
     with pytest.raises(UserError, match="metadata was edited or is corrupt"):
-        ckpt.resume_or_init(setup.trainer, setup.batches(), edited.parent)
+        start_lib.resume_or_init(setup.trainer, setup.batches(), edited.parent)
     renamed = prepared("renamed")
     (renamed / "10").rename(renamed / "11")
     with pytest.raises(UserError, match="metadata is for step 10; the step directory was renamed"):
-        ckpt.resume_or_init(setup.trainer, setup.batches(), renamed.parent)
+        start_lib.resume_or_init(setup.trainer, setup.batches(), renamed.parent)
     missing = prepared("missing")
     body = {k: v for k, v in meta.items() if k not in ("consumed_samples", ckpt.META_DIGEST)}
     (missing / "10" / meta_file).write_text(json.dumps(body))
     with pytest.raises(
         UserError, match="its metadata has no meta_sha256, so what it holds cannot be checked"
     ):
-        ckpt.resume_or_init(setup.trainer, setup.batches(), missing.parent)
+        start_lib.resume_or_init(setup.trainer, setup.batches(), missing.parent)
     ckpt.trust_unverified()
     try:
         with pytest.raises(UserError, match="no valid 'consumed_samples'"):
-            ckpt.resume_or_init(setup.trainer, setup.batches(), missing.parent)
+            start_lib.resume_or_init(setup.trainer, setup.batches(), missing.parent)
     finally:
         ckpt.trust_unverified(False)
     line = one_error_line(spmd_ckpt("inspect", str(missing), "--trust-unverified"))
@@ -295,7 +296,7 @@ def test_metadata_without_its_digest_or_checksums_is_refused_unless_trusted(trai
         json.dumps({k: v for k, v in meta.items() if k not in ("checksums", ckpt.META_DIGEST)})
     )
     for read in (
-        lambda: ckpt.resume_or_init(setup.trainer, setup.batches(), root.parent),
+        lambda: start_lib.resume_or_init(setup.trainer, setup.batches(), root.parent),
         lambda: ckpt.restore_params(root, 10, setup.plan.abstract_params),
         lambda: ckpt.verify(root, 10),
     ):
@@ -323,7 +324,7 @@ def test_commands_on_a_cpu_host_print_nothing_of_libtpu(tmp_path):
         ["eval.py", "--run-dir", str(tmp_path / "run")],
     ):
         result = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / args[0]), *args[1:]],
+            [sys.executable, "-m", f"spmd.cli.{args[0].removesuffix('.py')}", *args[1:]],
             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr

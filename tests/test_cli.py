@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def spmd_train(*args, cwd=None, timeout=300):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+        [sys.executable, "-m", "spmd.cli.train", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -219,7 +219,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_same_command
         "1",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "spmd.cli.train", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 120
     while not (run_dir / "config.json").exists() and time.time() < deadline and proc.poll() is None:
@@ -278,7 +278,7 @@ def test_one_trainer_per_run_dir_and_a_dead_holders_lock_is_taken_over(tmp_path)
     run_dir = tmp_path / "run"
     args = ["--config", "tiny", "--host-devices", "8", "--run-dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    first = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args, "--steps", "100000"],
+    first = subprocess.Popen([sys.executable, "-m", "spmd.cli.train", *args, "--steps", "100000"],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.time() + 120

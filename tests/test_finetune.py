@@ -55,9 +55,8 @@ def test_the_recipe_runs_as_written(tmp_path):
     env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     outputs = []
     for argv in recipe():
-        script = ROOT / "scripts" / f"{SCRIPTS[argv[0]]}.py"
         done = subprocess.run(
-            [sys.executable, str(script), *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+            [sys.executable, "-m", f"spmd.cli.{SCRIPTS[argv[0]]}", *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
             timeout=600, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         assert done.returncode == 0, f"{shlex.join(argv)}\n{done.stderr[-3000:]}"

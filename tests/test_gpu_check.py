@@ -1,4 +1,4 @@
-"""The prepared GPU check (scripts/gpu_check.py) runs end to end at toy sizes on this CPU host,
+"""The prepared GPU check (scripts/gpu/gpu_check.py) runs end to end at toy sizes on this CPU host,
 so that the one script a GPU session runs does not rot while no GPU is at hand."""
 
 import json
@@ -15,7 +15,7 @@ from spmd.kernels.flash_attention import BlockSizes, triton_params
 def test_gpu_check_runs_every_section_at_toy_sizes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--smoke", "--sweep-seconds", "1",
+        [sys.executable, str(ROOT / "scripts" / "gpu" / "gpu_check.py"), "--smoke", "--sweep-seconds", "1",
          "--torch-python", "", "--rounds", "1", "--steps", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={**env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The lm-eval adapter (spmd.io.harness): log-likelihoods equal to what transformers computes on the
-same imported model (fixture made by transformers: scripts/make_lmeval_fixture.py), on one device
+same imported model (fixture made by transformers: tests/fixtures/make_lmeval_fixture.py), on one device
 and sharded, and lm-eval's own evaluator running local task definitions through it (no network)."""
 
 import json
@@ -115,9 +115,8 @@ def test_spmd_eval_tasks_errors_are_one_line(run_dir, tmp_path):
     import subprocess
     import sys
 
-    script = pathlib.Path(__file__).parent.parent / "scripts" / "eval.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--run-dir", str(run_dir), "--tasks", "no_such_task",
+        [sys.executable, "-m", "spmd.cli.eval", "--run-dir", str(run_dir), "--tasks", "no_such_task",
          "--include-path", str(write_tasks(tmp_path))],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )  # fmt: skip

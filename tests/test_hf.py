@@ -1,5 +1,5 @@
 """Hugging Face import/export against numbers transformers computed (tests/fixtures/hf, made by
-scripts/make_hf_fixtures.py; neither torch nor transformers is needed here)."""
+tests/fixtures/make_hf_fixtures.py; neither torch nor transformers is needed here)."""
 
 import json
 import os
@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 from test_ckpt_cli import one_error_line, spmd_ckpt
-from test_cli import ROOT
 
+from spmd import start as start_lib
 from spmd.assembly.config import config_from_json, load_config
 from spmd.assembly.setup import assemble
 from spmd.core.errors import UserError
@@ -181,7 +181,7 @@ def test_init_from_starts_a_fresh_optimizer_on_another_mesh_and_then_resumes_its
                      overrides=["data.path=" + str(tokens_file(tmp_path))])  # fmt: skip
     batches = setup.batches()
     run_dir = tmp_path / "ft"
-    start = ckpt.resume_or_init(setup.trainer, batches, run_dir, init_from=str(imported / "qwen2"))
+    start = start_lib.resume_or_init(setup.trainer, batches, run_dir, init_from=str(imported / "qwen2"))
     assert start.step == 0 and any("fresh optimizer" in n for n in start.notes)
     original = hf_tensors_of(FIXTURES / "qwen2")
     bq = np.asarray(start.state["params"]["layers"]["attn"]["bq_NH"])
@@ -191,10 +191,10 @@ def test_init_from_starts_a_fresh_optimizer_on_another_mesh_and_then_resumes_its
     writer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
     writer.save(1, state, ckpt.step_meta(1, batches, cfg.train, setup.to_json()))
     writer.close()
-    again = ckpt.resume_or_init(setup.trainer, batches, run_dir, init_from=str(imported / "qwen2"))
+    again = start_lib.resume_or_init(setup.trainer, batches, run_dir, init_from=str(imported / "qwen2"))
     assert again.step == 1  # a restart resumes the fine-tune, not the import
     with pytest.raises(UserError, match="holds parameters only.*--init-from"):
-        ckpt.resume_or_init(setup.trainer, batches, imported / "qwen2")
+        start_lib.resume_or_init(setup.trainer, batches, imported / "qwen2")
 
 
 def tokens_file(tmp_path) -> pathlib.Path:
@@ -353,8 +353,8 @@ def test_import_and_export_under_two_processes(tmp_path):
     from test_multiprocess import env
 
     def launch(*args):
-        cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2", "--host-devices", "2",
-               "--", sys.executable, str(ROOT / "scripts" / "ckpt.py"), *args]  # fmt: skip
+        cmd = [sys.executable, "-m", "spmd.cli.launch", "--processes", "2", "--host-devices", "2",
+               "--", sys.executable, "-m", "spmd.cli.ckpt", *args]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
         assert result.returncode == 0, result.stderr[-3000:]
 
@@ -380,7 +380,7 @@ def test_sample_uses_the_imported_tokenizer(imported):
     from spmd.io.inference import Sampler, load
 
     prompt = "w10 w20 w30"
-    cmd = [sys.executable, str(ROOT / "scripts" / "sample.py"), "--run-dir", str(imported / "llama"),
+    cmd = [sys.executable, "-m", "spmd.cli.sample", "--run-dir", str(imported / "llama"),
            "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "5", "--mesh", "fsdp=1",
            "--host-devices", "1"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)

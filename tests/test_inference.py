@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_cli import ROOT, spmd_train
+from test_cli import spmd_train
 
 from spmd.models.decoder import KVCache
 from spmd.models.llama import Llama, LlamaConfig
@@ -129,7 +129,7 @@ def test_left_padding_does_not_change_a_prompt(devices):
 def run_script(name, *args):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
+        [sys.executable, "-m", f"spmd.cli.{name}", *args],
         capture_output=True,
         text=True,
         timeout=300,

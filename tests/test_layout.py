@@ -6,6 +6,7 @@ assembles a run."""
 import ast
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -173,3 +174,52 @@ def test_only_setup_assembles_a_run():
         "spmd/assembly/setup.py",
         "spmd/training/trainer.py",
     ]  # trainer.py defines build_trainer
+
+
+def test_run_from_the_repository_root_kernels_and_models_are_whatever_else_is_installed(tmp_path):
+    """The repository's models/ and kernels/ folders have no `__init__.py`: with the current
+    directory first on the path (`python -c`, `python -` or a notebook at the repository root), a
+    package of that name installed elsewhere (Hugging Face's `kernels`) is the one imported, while
+    spmd.kernels and spmd.models still import."""
+    for name in ("kernels", "models"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("WHO = 'installed elsewhere'\n")
+    code = (
+        "import kernels, models, spmd.kernels.tuning, spmd.models.llama; print(kernels.WHO, '|', models.WHO)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[0] == "installed elsewhere | installed elsewhere"
+    assert not (ROOT / "kernels" / "__init__.py").exists() and not (ROOT / "models" / "__init__.py").exists()
+
+
+BUILD = """
+from transformers import LlamaConfig, LlamaForCausalLM
+LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1))
+"""
+
+
+def _finetune_snippet() -> str:
+    """docs/finetune.md's Python block that loads an exported model into transformers."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "finetune.md").read_text(), re.S)
+    (snippet,) = [b for b in blocks if "AutoModelForCausalLM" in b and "hf/sft" in b]
+    return snippet
+
+
+@pytest.mark.skipif(
+    not TORCH_PYTHON.exists(), reason="needs .venv-torch: Python 3.11 with torch and transformers"
+)
+def test_the_finetune_snippet_runs_from_the_repository_root():
+    """As a reader runs it: from the repository root (where the recipe's relative paths lead), on
+    stdin, so the current directory is first on the path; an exported chat model (the fixture
+    transformers made) stands in for hf/sft. Then transformers builds a model there too."""
+    model = ROOT / "tests" / "fixtures" / "chat" / "llama-chat"
+    code = _finetune_snippet().replace('"hf/sft"', repr(str(model))) + BUILD
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [str(TORCH_PYTHON), "-"], input=code, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip(), "the snippet printed no generated text"

@@ -173,7 +173,7 @@ def test_adapter_checkpoints_resume_onto_their_base_and_export_for_peft(base_run
         pytest.skip("needs .venv-torch (Python 3.11 with torch, transformers, peft) for peft's side")
     np.save(tmp_path / "tokens_BT.npy", tokens_BT)
     done = subprocess.run(
-        [str(TORCH_PYTHON), str(ROOT / "scripts" / "peft_side.py"), str(CHAT_MODEL), str(adapter_dir),
+        [str(TORCH_PYTHON), str(ROOT / "scripts" / "parity" / "peft_side.py"), str(CHAT_MODEL), str(adapter_dir),
          str(tmp_path / "tokens_BT.npy"), str(tmp_path / "peft.npy")],
         capture_output=True, text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )  # fmt: skip

@@ -18,7 +18,8 @@ from spmd.platform.launcher import free_port
 pytestmark = pytest.mark.slow
 # The schedule is fixed at 12 steps so that a run stopped at step 4 or 8 uses the same learning rates.
 TRAIN = [
-    str(ROOT / "scripts" / "train.py"),
+    "-m",
+    "spmd.cli.train",
     "--config",
     "tiny",
     "--rules",
@@ -40,7 +41,8 @@ def launch(processes, devices, *args, port=None, wait=True):
     cmd = (
         [
             sys.executable,
-            str(ROOT / "scripts" / "launch.py"),
+            "-m",
+            "spmd.cli.launch",
             "--processes",
             str(processes),
             "--host-devices",
@@ -71,7 +73,7 @@ def reference(tmp_path_factory):
     """1 process x 8 devices, 12 steps: what every multi-process layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("mp") / "ref"
     result = spmd_train(
-        *TRAIN[1:],
+        *TRAIN[2:],
         "--mesh",
         "data=2,fsdp=2,tensor=2",
         "--host-devices",
@@ -119,7 +121,7 @@ def test_checkpoint_moves_between_process_counts(reference, tmp_path):
     common = ["--mesh", "data=2,fsdp=2,tensor=2", "--checkpoint-every", "4", "--run-dir", str(run_dir)]
     first = launch(2, 4, *common, "--steps", "4")  # 2 processes x 4 devices
     assert first.returncode == 0, first.stderr[-3000:]
-    second = spmd_train(*TRAIN[1:], *common, "--host-devices", "8", "--steps", "8")  # 1 x 8
+    second = spmd_train(*TRAIN[2:], *common, "--host-devices", "8", "--steps", "8")  # 1 x 8
     assert second.returncode == 0, second.stderr
     assert f"resumed from {run_dir / 'checkpoints'}/4" in second.stderr
     third = launch(4, 2, *common, "--steps", "12")  # 4 x 2
@@ -170,7 +172,8 @@ def test_unreachable_coordinator_and_bad_process_id(tmp_path):
 def test_each_process_loads_only_its_rows_and_together_they_are_the_global_batch(tmp_path):
     cmd = [
         sys.executable,
-        str(ROOT / "scripts" / "launch.py"),
+        "-m",
+        "spmd.cli.launch",
         "--processes",
         "2",
         "--host-devices",
@@ -218,8 +221,8 @@ def test_max_restarts_resumes_a_hung_then_killed_job_to_the_uninterrupted_losses
     losses; the goodput ledger counts the steps lost to the restarts."""
     run_dir = tmp_path / "run"
     hang = str(ROOT / "tests" / "hang_train.py")
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes", "2", "--host-devices", "4",
-           "--max-restarts", "2", "--", sys.executable, hang, *TRAIN[1:], "--mesh", "data=2,fsdp=2,tensor=2",
+    cmd = [sys.executable, "-m", "spmd.cli.launch", "--processes", "2", "--host-devices", "4",
+           "--max-restarts", "2", "--", sys.executable, hang, *TRAIN[2:], "--mesh", "data=2,fsdp=2,tensor=2",
            "--checkpoint-every", "4", "--set", "train.step_timeout=8", "--steps", "12", "--run-dir", str(run_dir)]  # fmt: skip
     hang_env = env() | {
         "HANG_STEP": "6",

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import run_training
 
+from spmd import start as start_lib
 from spmd.assembly.config import load_config
 from spmd.assembly.setup import assemble
 from spmd.core.errors import UserError
@@ -64,12 +65,12 @@ def test_a_checkpoint_keeps_its_optimizer(devices, tmp_path):
     writer.save(0, state, ckpt.step_meta(0, batches, cfg.train, saved.to_json()))
     writer.close()
     other = assemble(cfg, "fsdp=4,tensor=2", "fsdp_tp", devices=devices)
-    start = ckpt.resume_or_init(other.trainer, other.batches(), tmp_path)
+    start = start_lib.resume_or_init(other.trainer, other.batches(), tmp_path)
     for a, b in zip(jax.tree.leaves(start.state["opt_state"]), jax.tree.leaves(state["opt_state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     adamw = assemble("tiny", "fsdp=8", "fsdp", devices=devices)
     with pytest.raises(UserError, match="trained with optimizer.name = 'lion', this run asks for 'adamw'"):
-        ckpt.resume_or_init(adamw.trainer, adamw.batches(), tmp_path)
+        start_lib.resume_or_init(adamw.trainer, adamw.batches(), tmp_path)
 
 
 def test_muon_orthogonalises_a_split_matrix_as_the_whole_matrix(devices):
@@ -147,7 +148,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(devi
     writer.save(2, b, ckpt.step_meta(2, batches, off.cfg.train, off.to_json()))
     writer.close()
     other = assemble("tiny", "fsdp=8", "fsdp", devices=devices)
-    start = ckpt.resume_or_init(other.trainer, other.batches(), tmp_path)
+    start = start_lib.resume_or_init(other.trainer, other.batches(), tmp_path)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(start.state["opt_state"])} == {"device"}
     for x, y in zip(jax.tree.leaves(start.state), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

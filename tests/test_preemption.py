@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_cli import ROOT, spmd_train
+from test_cli import spmd_train
 
 from spmd.io import checkpoint as ckpt
 
@@ -31,7 +31,7 @@ ARGS = [
 
 def start(run_dir, *extra):
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), *ARGS, "--run-dir", str(run_dir), *extra],
+        [sys.executable, "-m", "spmd.cli.train", *ARGS, "--run-dir", str(run_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -149,7 +149,8 @@ def test_second_signal_aborts_without_touching_committed_checkpoints(tmp_path):
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "scripts" / "train.py"),
+            "-m",
+            "spmd.cli.train",
             "--config",
             "small",
             "--mesh",
@@ -181,7 +182,7 @@ def test_second_signal_aborts_without_touching_committed_checkpoints(tmp_path):
     steps = ckpt.committed_steps(run_dir / ckpt.SUBDIR)
     assert 4 in steps
     verify = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "ckpt.py"), "verify", str(run_dir)],
+        [sys.executable, "-m", "spmd.cli.ckpt", "verify", str(run_dir)],
         capture_output=True,
         text=True,
     )

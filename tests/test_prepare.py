@@ -304,10 +304,9 @@ def test_prepare_train_a_packed_mixture_resume_and_sample_text(corpus, tmp_path)
 def test_train_tokenizer_command(corpus, tmp_path):
     """spmd-data train-tokenizer: one line on stderr, a tokenizer whose EOS is id 0, which
     prepare takes; bad input is one error line."""
-    from test_cli import ROOT
 
     def spmd_data(*args):
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / "data.py"), *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "spmd.cli.data", *args], capture_output=True,
                               text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
 
     out = tmp_path / "tok" / "tokenizer.json"
@@ -341,7 +340,6 @@ def test_a_checkpoint_meets_data_of_another_tokenizer_only_when_asked(corpus, tm
     --init-from, or evaluated on bytes data: each an error naming both tokenizers, unless the swap
     is asked for. Raw token ids (.npy) say nothing of their tokenizer and pass, and the run keeps
     the tokenizer it started from."""
-    from test_cli import ROOT
 
     from spmd import run
     from spmd.assembly.config import apply_overrides
@@ -375,7 +373,7 @@ def test_a_checkpoint_meets_data_of_another_tokenizer_only_when_asked(corpus, tm
     prepare.prepare(
         [str(corpus / "txt")] * 1, str(bytes_data), prepare.Options(val_fraction=0.5), progress=False
     )
-    evaluate = [sys.executable, str(ROOT / "scripts" / "eval.py"), "--run-dir", str(tmp_path / "ft"), "--data",
+    evaluate = [sys.executable, "-m", "spmd.cli.eval", "--run-dir", str(tmp_path / "ft"), "--data",
                 str(bytes_data), "--host-devices", "1", "--mesh", "fsdp=1", "--batches", "1"]  # fmt: skip
     refused = subprocess.run(evaluate, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert refused.returncode == 2 and "the data's is bytes" in refused.stderr, refused.stderr
@@ -432,10 +430,9 @@ def test_one_prepare_per_out_and_stale_temporaries_removed(corpus, tmp_path):
 
 
 def test_spmd_data_verify_says_what_it_checked(corpus, tmp_path):
-    from test_cli import ROOT
 
     data = _prepared(corpus, tmp_path, "bpe", DOCS * 4)
-    cmd = [sys.executable, str(ROOT / "scripts" / "data.py"), "verify", str(data)]
+    cmd = [sys.executable, "-m", "spmd.cli.data", "verify", str(data)]
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.startswith(f"ok: {data}: 2 shards"), ok.stderr
     manifest = json.loads((data / prepare.MANIFEST).read_text())

@@ -110,7 +110,7 @@ def _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed) ->
             if measured is None:
                 return (
                     "pallas",
-                    f"not measured on {device_kind or 'this GPU'} in {dtype} (scripts/gpu_check.py)",
+                    f"not measured on {device_kind or 'this GPU'} in {dtype} (scripts/gpu/gpu_check.py)",
                 )
             return measured.fastest, measured.why()
         if seq_len >= CHUNKED_FROM:

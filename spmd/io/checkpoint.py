@@ -16,7 +16,6 @@ position is `consumed_samples` (the batch at step s starts at sample
 """
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import pathlib
@@ -31,7 +30,6 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from spmd.assembly.config import CheckpointConfig
 from spmd.core.errors import UserError, stderr_parked
-from spmd.data.tokenizer import check_agrees
 
 SUBDIR = "checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -676,114 +674,6 @@ def step_meta(
         **({"goodput": goodput} if goodput is not None else {}),
         **({"spikes": spikes} if spikes is not None else {}),
     }
-
-
-@dataclasses.dataclass
-class Start:
-    """Where a run starts: its state, the step it has done, and lines for the log."""
-
-    state: dict
-    step: int
-    notes: list[str]
-    goodput: dict = dataclasses.field(default_factory=dict)  # the restored step's ledger (spmd.loop.goodput)
-    tokenizer: dict | None = None  # what the checkpoint it came from recorded of its tokenizer
-    spikes: dict = dataclasses.field(
-        default_factory=dict
-    )  # the restored step's loss history (spmd.loop.spikes)
-    # where the run's weights first came from (--init-from's record), kept across resumes: a LoRA
-    # run's base, and the Hugging Face origin export writes back to
-    init_from: dict | None = None
-
-
-def resume_or_init(
-    trainer,
-    batches,
-    run_dir: pathlib.Path,
-    resume_from: str | None = None,
-    overwrite: bool = False,
-    init_from: str | None = None,
-    tokenizer: dict | None = None,
-    allow_tokenizer_change: bool = False,
-):
-    """The run's starting state: restored from `resume_from` (a run dir or one step) when given,
-    else from `run_dir`'s latest committed checkpoint (unless `overwrite`), else the parameters of
-    `init_from` with a fresh optimizer at step 0 (a fine-tune; once it has checkpointed, a restart
-    resumes from its own checkpoints), else fresh from the seed. `tokenizer`: what the data's
-    tokenizer is (spmd.data.loader.data_tokenizer_record); a checkpoint trained with another is an error
-    unless `allow_tokenizer_change`.
-
-    Resuming also moves `batches` to the checkpoint's data position. Reads only, so that any error
-    here leaves the run directory as it was.
-    """
-    cfg = trainer.cfg
-    own = run_dir / SUBDIR
-    notes, source = [], None
-    if resume_from:
-        source = locate(resume_from)
-    elif not overwrite and own.is_dir():
-        steps = committed_steps(own)
-        if steps:
-            source = (own, steps[-1])
-        elif uncommitted(own):
-            notes.append(
-                f"warning: {own} holds only uncommitted checkpoints ({', '.join(uncommitted(own))}) "
-                f"from an interrupted save; starting fresh and removing them"
-            )
-    if source is None and init_from:
-        directory, step = locate(init_from)
-        params, meta = restore_weights(directory, step, trainer.abstract_weights, trainer.fresh_weights)
-        check_agrees(meta.get("run", {}).get("tokenizer"), tokenizer, f"checkpoint {directory}/{step}",
-                     allow_tokenizer_change)  # fmt: skip
-        params = trainer.plan.from_canonical(params, trainer.plan.param_shardings)
-        notes.append(f"parameters from {directory}/{step}; fresh optimizer state, starting at step 0")
-        return Start(
-            trainer.state_from_params(params), 0, notes, tokenizer=meta.get("run", {}).get("tokenizer")
-        )
-    if source is None:
-        return Start(trainer.init_state(), 0, notes)
-    directory, step = source
-    meta = check_meta(directory, step, read_meta(directory, step), ("consumed_samples", "global_batch_size"))
-    check_agrees(meta.get("run", {}).get("tokenizer"), tokenizer, f"checkpoint {directory}/{step}",
-                 allow_tokenizer_change)  # fmt: skip
-    if meta.get("params_only"):
-        raise UserError(
-            f"checkpoint {directory}/{step} holds parameters only (e.g. from spmd-ckpt import-hf), no optimizer "
-            f"state to resume; start from it with --init-from {directory.parent} and a new --run-dir"
-        )
-    saved_opt = {"name": "adamw", "state_dtype": "float32"} | (
-        meta.get("run", {}).get("config", {}).get("optimizer") or {}
-    )
-    for key in ("name", "state_dtype"):
-        if saved_opt.get(key) != getattr(cfg.optimizer, key):
-            raise UserError(
-                f"checkpoint {directory}/{step} was trained with optimizer.{key} = {saved_opt.get(key)!r}, this "
-                f"run asks for {getattr(cfg.optimizer, key)!r}; its optimizer state cannot continue under another, so "
-                f"keep {saved_opt.get(key)!r}, or start from its parameters with --init-from and a new --run-dir"
-            )
-    state, meta = restore(directory, step, trainer.abstract_saved)
-    # checkpoints hold the canonical layer order, and a LoRA run's reference to its base
-    base = frozen_base(trainer, meta, f"checkpoint {directory}/{step}") if cfg.lora.enabled else None
-    state = trainer.from_canonical(state, base)
-    saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
-    batches.resume_at(step, consumed)
-    notes.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")
-    if saved_batch != cfg.train.global_batch_size:
-        notes.append(
-            f"warning: global batch size changed from {saved_batch} to {cfg.train.global_batch_size}: data continues "
-            f"at sample {consumed:,} (nothing skipped or repeated), the step count and learning-rate schedule "
-            f"continue from step {step}, so each later step sees {cfg.train.global_batch_size} sequences"
-        )
-    for key, now in (("seq_len", cfg.train.seq_len), ("seed", cfg.train.seed)):
-        if int(meta.get(key, now)) != now:
-            notes.append(
-                f"warning: train.{key} was {meta[key]} when the checkpoint was written and is {now} now; "
-                f"the data order after the restore differs from the original run's"
-            )
-    ledger = meta.get("goodput")
-    return Start(
-        state, step, notes, ledger if isinstance(ledger, dict) else {}, meta.get("run", {}).get("tokenizer"),
-        meta.get("spikes") if isinstance(meta.get("spikes"), dict) else {}, meta.get("run", {}).get("init_from"),
-    )  # fmt: skip
 
 
 def _cause(e: Exception) -> str:
