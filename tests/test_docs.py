@@ -83,7 +83,9 @@ def _commands() -> list[Command]:
             first = text.count("\n", 0, block.start(2)) + 1
             body = body.replace("\\\n", " ")  # continued lines (line numbers: the first's)
             for i, line in enumerate(body.splitlines()):
-                if not re.search(r"\bspmd-\w+|scripts/[\w/]+\.py", line) or re.match(r"\s*(#|\w+=\$\()", line):
+                if not re.search(r"\bspmd-\w+|scripts/[\w/]+\.py", line) or re.match(
+                    r"\s*(#|\w+=\$\()", line
+                ):
                     continue  # not a command line; a comment; a shell variable of the example
                 out.extend(_split(page, first + i, lang, line))
         prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
