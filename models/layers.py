@@ -11,20 +11,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.core.family import ADAPTER_PREFIX
+from spmd.core.family import adapter_of
 from spmd.core.logical import can_merge, constrain
 
 
 def adapter(module, weight: str):
-    """The low-rank adapter attached to `module`'s parameter `weight` (a callable x -> its update
-    of x's projection), or None: a model without adapters runs unchanged."""
-    return getattr(module, ADAPTER_PREFIX + weight, None)
+    """The adapter a model transform attached beside `module`'s parameter `weight` (a callable
+    x -> its update of x's projection), or None: a model without adapters runs unchanged."""
+    return adapter_of(module, weight)
 
 
-def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), lora=None):
+def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), adapter=None):
     """Contract the last `n_in` axes of x with the first `n_in` axes of w (a parameter as stored,
-    cast here to x's dtype, the compute dtype), as one 2-D matmul; plus `lora(x)`, the update of
-    a low-rank adapter (x W + (alpha / r) x A B) when the weight has one.
+    cast here to x's dtype, the compute dtype), as one 2-D matmul; plus `adapter(x)`, the update
+    of an adapter a model transform attached (e.g. low-rank: x W + (alpha / r) x A B), if any.
 
     Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
     contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands, so we
@@ -33,7 +33,7 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), lora=None):
     each device's tokens across the merged axis, so the dot keeps the leading axes instead.
     """
     y = _contract(x, w, n_in, lead_axes)
-    return y if lora is None else y + lora(x, n_in, lead_axes)
+    return y if adapter is None else y + adapter(x, n_in, lead_axes)
 
 
 def _contract(x, w, n_in: int, lead_axes):
@@ -194,7 +194,7 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x_BTD):
-        gate_BTF = project(x_BTD, self.w_gate_DF[...], lora=adapter(self, "w_gate_DF"))  # BTD,DF->BTF
-        up_BTF = project(x_BTD, self.w_up_DF[...], lora=adapter(self, "w_up_DF"))  # BTD,DF->BTF
+        gate_BTF = project(x_BTD, self.w_gate_DF[...], adapter=adapter(self, "w_gate_DF"))  # BTD,DF->BTF
+        up_BTF = project(x_BTD, self.w_up_DF[...], adapter=adapter(self, "w_up_DF"))  # BTD,DF->BTF
         h_BTF = swiglu(gate_BTF, up_BTF)
-        return project(h_BTF, self.w_down_FD[...], lora=adapter(self, "w_down_FD"))  # BTF,FD->BTD
+        return project(h_BTF, self.w_down_FD[...], adapter=adapter(self, "w_down_FD"))  # BTF,FD->BTD

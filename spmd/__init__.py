@@ -7,7 +7,7 @@ The names a library user needs (docs/library.md), imported when first used:
 
 `Setup` (what `assemble` returns), `ModelFamily` (a model family's contract), `Hook` and
 `StepInfo` (a side job of the loop), `ModelTransform` (what changes a family before it is
-parallelised, e.g. LoRA), `UserError` (bad input, one line).
+parallelised, e.g. low-rank adapters), `UserError` (bad input, one line).
 
 One import name: the repository's top-level `models/` and `kernels/` folders are the subpackages
 `spmd.models` and `spmd.kernels`. They hold no `__init__.py`, so that run from the repository root

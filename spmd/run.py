@@ -16,6 +16,7 @@ import json
 import pathlib
 import shutil
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -61,6 +62,7 @@ def train(
     profile: tuple[int, int] | None = None,
     started: float | None = None,
     allow_tokenizer_change: bool = False,
+    hooks: Sequence[loop.Hook] = (),
 ) -> Result:
     """Train `setup` (spmd.assembly.setup.assemble, with an optimizer) in `run_dir` up to train.steps.
 
@@ -70,8 +72,9 @@ def train(
     `overwrite`: clear run_dir first (its checkpoints too). `profile`: (A, B), a jax.profiler
     trace of steps A..B into run_dir/profile. `started`: when the process started (perf_counter),
     for the goodput ledger's init time (default: now). `allow_tokenizer_change`: start from a
-    checkpoint trained with another tokenizer than the data's (else an error). Everything is
-    validated before anything is written; bad input raises UserError."""
+    checkpoint trained with another tokenizer than the data's (else an error). `hooks`: side jobs
+    of your own (spmd.loop.train_loop.Hook), run after the built-in ones on every process.
+    Everything is validated before anything is written; bad input raises UserError."""
     started = time.perf_counter() if started is None else started
     run_dir = pathlib.Path(run_dir)
     if init_from is not None and resume_from:
@@ -99,7 +102,7 @@ def train(
             keep_tokenizer(tokenizer, run_dir)
         if init and is_main:
             copy_tokenizer(init["run_dir"], run_dir)
-        return _loop(setup, batches, run_dir, start, resolved, is_main, profile, lost, started)
+        return _loop(setup, batches, run_dir, start, resolved, is_main, profile, lost, started, hooks)
     finally:
         lock.release()
 
@@ -110,7 +113,8 @@ def init_source(path: str) -> dict:
     (including the Hugging Face config it was imported from, for export)."""
     directory, step = ckpt.locate(path)
     run = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run",))["run"]
-    # absolute: a LoRA run finds its base there again when resumed from another working directory
+    # absolute: a run with frozen parameters finds them there again when resumed from another
+    # working directory
     record = {"path": str((directory / str(step)).resolve()), "step": step}
     origin = run.get("hf") or run.get("init_from", {}).get("hf")
     if origin:
@@ -268,7 +272,7 @@ def describe_run(
 
 
 def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool, profile, lost: float,
-          started: float) -> Result:  # fmt: skip
+          started: float, extra_hooks=()) -> Result:  # fmt: skip
     """Compile the step, then run the loop with its hooks from `start` to train.steps, watched
     (spmd.loop.watchdog) and accounted (spmd.loop.goodput)."""
     cfg, trainer = setup.cfg, setup.trainer
@@ -329,6 +333,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     )
     if profile is not None and is_main:
         hooks.append(loop.ProfileHook(run_dir / "profile", *profile, start.step))
+    hooks.extend(extra_hooks)
     preemption = loop.Preemption().install()
     watchdog = Watchdog(tcfg.step_timeout, run_dir / "hangs", jax.process_index(), compile_seconds)
 
@@ -361,8 +366,8 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
         if is_main:
             log(f"rollback: {what}; restored step {target} and skipped {skip} batches of data "
                 f"(rollback {guard.rollbacks} of at most {tcfg.max_rollbacks})")  # fmt: skip
-        base = ckpt.frozen_base(trainer, meta, "the rollback") if "base" in trainer.abstract_state else None
-        return trainer.from_canonical(state, base), target
+        frozen = ckpt.frozen_of(trainer, meta, "the rollback") if trainer.partition.freezes else None
+        return trainer.from_canonical(state, frozen), target
 
     train_loop = loop.TrainLoop(
         step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,

@@ -11,7 +11,7 @@ from spmd.io.checkpoint import (
     SUBDIR,
     check_meta,
     committed_steps,
-    frozen_base,
+    frozen_of,
     locate,
     read_meta,
     restore,
@@ -32,8 +32,8 @@ class Start:
     spikes: dict = dataclasses.field(
         default_factory=dict
     )  # the restored step's loss history (spmd.loop.spikes)
-    # where the run's weights first came from (--init-from's record), kept across resumes: a LoRA
-    # run's base, and the Hugging Face origin export writes back to
+    # where the run's weights first came from (--init-from's record), kept across resumes: what its
+    # frozen parameters are, and the Hugging Face origin export writes back to
     init_from: dict | None = None
 
 
@@ -103,9 +103,10 @@ def resume_or_init(
                 f"keep {saved_opt.get(key)!r}, or start from its parameters with --init-from and a new --run-dir"
             )
     state, meta = restore(directory, step, trainer.abstract_saved)
-    # checkpoints hold the canonical layer order, and a LoRA run's reference to its base
-    base = frozen_base(trainer, meta, f"checkpoint {directory}/{step}") if cfg.lora.enabled else None
-    state = trainer.from_canonical(state, base)
+    # checkpoints hold the canonical layer order, without the frozen parameters (the weights the run
+    # started from)
+    frozen = frozen_of(trainer, meta, f"checkpoint {directory}/{step}") if trainer.partition.freezes else None
+    state = trainer.from_canonical(state, frozen)
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)
     notes.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")

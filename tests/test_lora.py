@@ -1,4 +1,4 @@
-"""LoRA (spmd.training.lora): adapters sharded like the weights they adapt, a frozen base, sharded runs equal
+"""LoRA (spmd.transforms.lora): adapters sharded like the weights they adapt, a frozen base, sharded runs equal
 to one device, adapter-only checkpoints that resume onto their base, the merged model for
 sampling, evaluation and export, and a peft adapter directory that peft loads with equal logits."""
 
@@ -20,7 +20,7 @@ from spmd.core.errors import UserError
 from spmd.io import checkpoint as ckpt
 from spmd.io import hf, inference
 from spmd.parallel.sharding import path_str
-from spmd.training import lora
+from spmd.transforms import lora
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_PYTHON = ROOT / ".venv-torch" / "bin" / "python"
@@ -40,7 +40,7 @@ def test_adapters_are_split_like_their_weights_and_only_they_train(devices):
     assert mlp["lora_w_down_FD"]["b"].sharding.spec == P(None, None, "fsdp")
     assert attn["lora_wq_DNH"]["a"].shape == (2, 64, 4)
     # Only the adapters are trained: the base is a separate, frozen part of the state.
-    assert not any("lora_" in path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state["base"]))
+    assert not any("lora_" in path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state["frozen"]))
     assert all("lora_" in path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state["params"]))
     bytes_ = setup.trainer.state_bytes()
     full = assemble("tiny", "fsdp=2,tensor=2", "fsdp_tp", devices=devices[:4]).trainer.state_bytes()
@@ -56,7 +56,7 @@ def train(cfg, mesh, rules, steps, devices):
     setup = assemble(cfg, mesh, rules, devices=devices)
     trainer, batches = setup.trainer, setup.batches()
     state = trainer.init_state()
-    base = jax.tree.map(np.asarray, state["base"])
+    base = jax.tree.map(np.asarray, state["frozen"])
     losses = []
     for step in range(steps):
         state, metrics = trainer.train_step(state, batches.train_batch(step))
@@ -68,7 +68,7 @@ def test_sharded_lora_equals_one_device_and_leaves_the_base_alone(devices):
     cfg = load_config("tiny", [*LORA, "train.global_batch_size=8"])
     one, state, base = train(cfg, "", "fsdp", 3, devices[:1])
     assert one[-1] < one[0]
-    for leaf, before in zip(jax.tree.leaves(state["base"]), jax.tree.leaves(base), strict=True):
+    for leaf, before in zip(jax.tree.leaves(state["frozen"]), jax.tree.leaves(base), strict=True):
         np.testing.assert_array_equal(np.asarray(leaf), before)
     many, _, _ = train(load_config("tiny", [*LORA, "train.global_batch_size=8", "train.microbatches=2"]),
                        "fsdp=2,tensor=2", "fsdp_tp", 3, devices[:4])  # fmt: skip
@@ -83,12 +83,12 @@ def test_the_adapted_model_equals_its_merged_weights():
     state = setup.trainer.init_state()
     rng = np.random.default_rng(0)
     adapters = jax.tree.map(lambda x: x + rng.normal(0, 0.1, x.shape).astype(x.dtype), state["params"])
-    params = lora.combine(adapters, state["base"])
+    params = lora.combine(adapters, state["frozen"])
     tokens = rng.integers(0, 256, (2, 16))
     adapted = nnx.merge(setup.plan.graphdef, params)(tokens)
     plain = assemble("tiny", "", "fsdp", overrides=["model.dtype=float32"], devices=jax.devices()[:1])
     merged = nnx.merge(plain.plan.graphdef, lora.merged(params, setup.cfg.lora.scale))(tokens)
-    base = nnx.merge(plain.plan.graphdef, state["base"])(tokens)
+    base = nnx.merge(plain.plan.graphdef, state["frozen"])(tokens)
     np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(base) - np.asarray(adapted)).max() > 1e-2  # the adapters do something
 
@@ -157,15 +157,15 @@ def test_adapter_checkpoints_resume_onto_their_base_and_export_for_peft(base_run
     merged_dir = tmp_path / "hf" / "merged"
     hf.export_hf(str(tmp_path / "lora"), str(merged_dir), merge=True)
     assert (merged_dir / "model.safetensors").is_file()
-    with pytest.raises(UserError, match="holds no LoRA adapters"):
+    with pytest.raises(UserError, match="has no model transform to merge"):
         hf.export_hf(str(base_run), str(tmp_path / "hf" / "x"), merge=True)
     adapter_dir = tmp_path / "hf" / "adapter"
-    done = hf.export_adapter(str(tmp_path / "lora"), str(adapter_dir))
+    done = lora.export_adapter(str(tmp_path / "lora"), str(adapter_dir))
     assert done["modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     with pytest.raises(UserError, match="holds no LoRA adapters"):
-        hf.export_adapter(str(base_run), str(tmp_path / "hf" / "y"))
+        lora.export_adapter(str(base_run), str(tmp_path / "hf" / "y"))
     has_peft = (
         TORCH_PYTHON.exists() and not subprocess.run([str(TORCH_PYTHON), "-c", "import peft"]).returncode
     )

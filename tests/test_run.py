@@ -75,3 +75,42 @@ def test_a_run_that_skipped_steps_says_so_at_the_end(tmp_path, devices, capsys):
         "warning: 3 of 4 steps had a non-finite loss or gradient norm and were skipped"
         in capsys.readouterr().err
     )
+
+
+def test_a_hook_of_ones_own_runs_on_its_schedule_through_the_public_names(tmp_path, devices):
+    """`spmd.train(..., hooks=[...])`: a side job of one's own (spmd.Hook) sees the steps its
+    `every` asks for and the final one, with the step's metrics and state."""
+    import spmd
+
+    class Record(spmd.Hook):
+        every = 2
+
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, info: spmd.StepInfo) -> None:
+            self.seen.append((info.step, info.final, round(float(info.metrics["loss"]), 6)))
+
+    hook = Record()
+    cfg = load_config("tiny", [*OVERRIDES, "train.steps=5", "checkpoint.every=0"])
+    result = spmd.train(
+        spmd.assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2]), tmp_path / "run", hooks=[hook]
+    )
+    assert isinstance(result, spmd.Result) and result.step == 5
+    assert [(s, f) for s, f, _ in hook.seen] == [(2, False), (4, False), (5, True)]
+    by_step = {r["step"]: r["loss"] for r in result.metrics}
+    assert hook.seen[1][2] == round(by_step[4], 6)
+
+
+def test_the_library_page_runs_as_written(tmp_path, devices, monkeypatch):
+    """docs/library.md's example, executed in a fresh directory."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "library.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", page, re.S)[:1]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(example, "docs/library.md", "exec"), namespace)  # noqa: S102
+    assert namespace["result"].step == namespace["setup"].cfg.train.steps
+    assert (tmp_path / "runs" / "library" / "metrics.jsonl").is_file()

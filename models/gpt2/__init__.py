@@ -4,7 +4,7 @@ the head tied to the token embedding; Hugging Face `GPT2LMHeadModel` import and 
 from spmd.core.family import ModelFamily
 from spmd.models import decoder
 from spmd.models.gpt2 import hf_mapping
-from spmd.models.gpt2.model import GPT2, LORA_TARGETS, GPT2Config, figures
+from spmd.models.gpt2.model import ADAPTER_TARGETS, GPT2, GPT2Config, figures
 
 FAMILY = ModelFamily(
     name="gpt2",
@@ -18,5 +18,5 @@ FAMILY = ModelFamily(
     # The position table's rows: replicated unless a rules file maps `positions`.
     logical_axes={"positions": None},
     hf=hf_mapping.ADAPTER,
-    lora_targets=LORA_TARGETS,
+    adapter_targets=ADAPTER_TARGETS,
 )

@@ -21,8 +21,9 @@ from spmd.models import attention
 from spmd.models.decoder import REMAT_POLICIES, RESIDUAL_AXES, Decoder, attention_flops_per_token
 from spmd.models.layers import adapter, lookup_table, param, project
 
-# The projections LoRA may adapt (spmd.training.lora): weight attribute, contracted leading axes.
-LORA_TARGETS = {
+# The projections an adapter may adapt (spmd.core.family.adapter_of): weight attribute, contracted
+# leading axes.
+ADAPTER_TARGETS = {
     "q": ("wq_DNH", 1),
     "k": ("wk_DNH", 1),
     "v": ("wv_DNH", 1),
@@ -132,21 +133,23 @@ class Attention(nnx.Module):
     def __call__(self, x_BTD, positions_BT, kv=None, segment_ids_BT=None, order_BT=None):
         dt = x_BTD.dtype
         q_BTNH = (
-            project(x_BTD, self.wq_DNH[...], lora=adapter(self, "wq_DNH"))
+            project(x_BTD, self.wq_DNH[...], adapter=adapter(self, "wq_DNH"))
             + self.bq_NH[...].astype(dt)[None, None]
         )  # BTD,DNH->BTNH
         k_BTNH = (
-            project(x_BTD, self.wk_DNH[...], lora=adapter(self, "wk_DNH"))
+            project(x_BTD, self.wk_DNH[...], adapter=adapter(self, "wk_DNH"))
             + self.bk_NH[...].astype(dt)[None, None]
         )
         v_BTNH = (
-            project(x_BTD, self.wv_DNH[...], lora=adapter(self, "wv_DNH"))
+            project(x_BTD, self.wv_DNH[...], adapter=adapter(self, "wv_DNH"))
             + self.bv_NH[...].astype(dt)[None, None]
         )
         out_BTNH, new_kv = attention.self_attention(
             q_BTNH, k_BTNH, v_BTNH, positions_BT, self.cfg.attention_impl, kv, segment_ids_BT, order_BT
         )
-        out_BTD = project(out_BTNH, self.wo_NHD[...], n_in=2, lora=adapter(self, "wo_NHD"))  # BTNH,NHD->BTD
+        out_BTD = project(
+            out_BTNH, self.wo_NHD[...], n_in=2, adapter=adapter(self, "wo_NHD")
+        )  # BTNH,NHD->BTD
         return out_BTD + self.bo_D[...].astype(dt)[None, None], new_kv
 
 
@@ -165,12 +168,12 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD):
         dt = x_BTD.dtype
         h_BTF = (
-            project(x_BTD, self.w_fc_DF[...], lora=adapter(self, "w_fc_DF"))
+            project(x_BTD, self.w_fc_DF[...], adapter=adapter(self, "w_fc_DF"))
             + self.b_fc_F[...].astype(dt)[None, None]
         )  # BTD,DF->BTF
         h_BTF = jax.nn.gelu(h_BTF.astype(jnp.float32), approximate=True).astype(dt)
         return (
-            project(h_BTF, self.w_proj_FD[...], lora=adapter(self, "w_proj_FD"))
+            project(h_BTF, self.w_proj_FD[...], adapter=adapter(self, "w_proj_FD"))
             + self.b_proj_D[...].astype(dt)[None, None]
         )  # BTF,FD->BTD
 

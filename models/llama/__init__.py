@@ -4,7 +4,14 @@ Mixtral, dense or a mixture of experts ([moe]); Hugging Face import and export."
 from spmd.core.family import ModelFamily
 from spmd.models import decoder, moe
 from spmd.models.llama import hf_mapping
-from spmd.models.llama.model import LORA_TARGETS, Llama, LlamaConfig, count_params, figures, flops_per_token
+from spmd.models.llama.model import (
+    ADAPTER_TARGETS,
+    Llama,
+    LlamaConfig,
+    count_params,
+    figures,
+    flops_per_token,
+)
 
 __all__ = ["FAMILY", "Llama", "LlamaConfig", "count_params", "figures", "flops_per_token"]
 
@@ -20,5 +27,5 @@ FAMILY = ModelFamily(
     aux_weights=moe.aux_weights,
     aux_metrics=moe.aux_metrics,
     hf=hf_mapping.ADAPTER,
-    lora_targets=LORA_TARGETS,
+    adapter_targets=ADAPTER_TARGETS,
 )

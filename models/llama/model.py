@@ -29,8 +29,9 @@ from spmd.models.layers import MLP, RMSNorm, adapter, lookup_table, param, proje
 from spmd.models.moe import MoE, MoEConfig, capacity
 
 DTYPES = ("float32", "bfloat16", "float16")
-# The projections LoRA may adapt (spmd.training.lora): weight attribute, contracted leading axes.
-LORA_TARGETS = {
+# The projections an adapter may adapt (spmd.core.family.adapter_of): weight attribute, contracted
+# leading axes.
+ADAPTER_TARGETS = {
     "q": ("wq_DNH", 1),
     "k": ("wk_DKH", 1),
     "v": ("wv_DKH", 1),
@@ -138,9 +139,9 @@ class Attention(nnx.Module):
     def qkv(self, x_BTD):
         """The projections, with their biases: q_BTNH, k_BTKH, v_BTKH (before RoPE)."""
         dt = x_BTD.dtype
-        q_BTNH = project(x_BTD, self.wq_DNH[...], lora=adapter(self, "wq_DNH"))  # BTD,DNH->BTNH
-        k_BTKH = project(x_BTD, self.wk_DKH[...], lora=adapter(self, "wk_DKH"))  # BTD,DKH->BTKH
-        v_BTKH = project(x_BTD, self.wv_DKH[...], lora=adapter(self, "wv_DKH"))  # BTD,DKH->BTKH
+        q_BTNH = project(x_BTD, self.wq_DNH[...], adapter=adapter(self, "wq_DNH"))  # BTD,DNH->BTNH
+        k_BTKH = project(x_BTD, self.wk_DKH[...], adapter=adapter(self, "wk_DKH"))  # BTD,DKH->BTKH
+        v_BTKH = project(x_BTD, self.wv_DKH[...], adapter=adapter(self, "wv_DKH"))  # BTD,DKH->BTKH
         if self.cfg.qkv_bias:
             q_BTNH = q_BTNH + self.bq_NH[...].astype(dt)[None, None]
             k_BTKH = k_BTKH + self.bk_KH[...].astype(dt)[None, None]
@@ -156,7 +157,9 @@ class Attention(nnx.Module):
         out_BTNH, new_kv = attention.self_attention(
             q_BTNH, k_BTKH, v_BTKH, positions_BT, self.cfg.attention_impl, kv, segment_ids_BT, order_BT
         )
-        out_BTD = project(out_BTNH, self.wo_NHD[...], n_in=2, lora=adapter(self, "wo_NHD"))  # BTNH,NHD->BTD
+        out_BTD = project(
+            out_BTNH, self.wo_NHD[...], n_in=2, adapter=adapter(self, "wo_NHD")
+        )  # BTNH,NHD->BTD
         return out_BTD, new_kv
 
 

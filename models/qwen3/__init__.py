@@ -4,7 +4,7 @@ export."""
 
 from spmd.core.family import ModelFamily
 from spmd.models import decoder, moe
-from spmd.models.llama.model import LORA_TARGETS
+from spmd.models.llama.model import ADAPTER_TARGETS
 from spmd.models.qwen3 import hf_mapping
 from spmd.models.qwen3.model import Qwen3, Qwen3Config, figures
 
@@ -20,5 +20,5 @@ FAMILY = ModelFamily(
     aux_weights=moe.aux_weights,
     aux_metrics=moe.aux_metrics,
     hf=hf_mapping.ADAPTER,
-    lora_targets=LORA_TARGETS,
+    adapter_targets=ADAPTER_TARGETS,
 )

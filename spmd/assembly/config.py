@@ -5,7 +5,7 @@ family (`model.family`, default llama: spmd.core.family), with its own tables wh
 one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
 (spmd/training/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
 `[attention]` (context parallelism), `[pipeline]` (spmd/parallel/pipeline.py), `[lora]` (low-rank
-adapters on a frozen base: spmd/training/lora.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
+adapters on a frozen base: spmd/transforms/lora.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
 optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
 its new home.
 """
@@ -24,7 +24,6 @@ from spmd.core.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 from spmd.loop.metrics import MetricsConfig
 from spmd.loop.spikes import ON_SPIKE
 from spmd.parallel.pipeline import PipelineConfig
-from spmd.training.lora import LoRAConfig
 from spmd.training.optimizer import OptimizerConfig
 
 CONFIG_DIR = presets_lib.folder("configs")
@@ -207,6 +206,42 @@ class AttentionConfig:
             problems.append(
                 f"attention.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {self.load_balance!r}"
             )
+        return problems
+
+
+LORA_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """The `[lora]` table: low-rank adapters on a frozen base (the transform: spmd/transforms/lora.py)."""
+
+    rank: int = 0  # 0: no adapters, every weight trains
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input, in training
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    base_dtype: str = ""  # the frozen weights' dtype: "" keeps model.param_dtype; bfloat16 halves them
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.rank < 0:
+            problems.append(f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
+        if not 0 < self.alpha < float("inf"):
+            problems.append(f"lora.alpha must be a positive number, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.enabled and not self.targets:
+            problems.append("lora.targets is empty; name the projections to adapt, e.g. q,v")
+        if self.base_dtype not in ("", *LORA_DTYPES):
+            problems.append(f"lora.base_dtype must be float32, bfloat16 or float16, got {self.base_dtype!r}")
         return problems
 
 

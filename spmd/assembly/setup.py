@@ -28,7 +28,7 @@ from spmd.core.rules import Rules, load_rules
 from spmd.parallel import memory
 from spmd.parallel import sharding as sharding_lib
 from spmd.platform import hostmem
-from spmd.training import lora
+from spmd.training import transform
 from spmd.training.trainer import Trainer, build_eval_step, build_trainer
 
 
@@ -41,8 +41,16 @@ class Setup:
     rules: Rules  # attention overrides (and decoding) applied
     plan: sharding_lib.ShardingPlan
     trainer: Trainer | None  # None when assembled with optimizer=False
+    # which parameters train and which are frozen (spmd.training.transform: the model transforms)
+    partition: transform.Partition = transform.Partition()
     mesh_spec: str = ""  # the flags it came from, recorded in config.json and checkpoints
     dcn_mesh_spec: str = ""
+
+    @property
+    def family(self):
+        """The model family this run builds: the config's, with its model transforms applied
+        (spmd.core.family.ModelFamily; `cfg.model_family` is the family as configured)."""
+        return self.plan.family
 
     @property
     def attention(self) -> str:
@@ -60,7 +68,9 @@ class Setup:
         """This run with platform choices replaced (spmd.assembly.policy.Choices fields), its steps rebuilt:
         how a benchmark or test compares two values of one choice, e.g. `fused_loss`."""
         choices = dataclasses.replace(self.choices, **changes)
-        trainer = build_trainer(self.cfg, self.plan, choices) if self.trainer is not None else None
+        trainer = (
+            build_trainer(self.cfg, self.plan, choices, self.partition) if self.trainer is not None else None
+        )
         return dataclasses.replace(self, choices=choices, trainer=trainer)
 
     def batches(self, held_out: bool | None = None):
@@ -157,8 +167,9 @@ def assemble(
         batch = {"global_batch_size": B, "microbatches": 1}
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **batch))
         requested = dataclasses.replace(requested, train=dataclasses.replace(requested.train, **batch))
-    if cfg.lora.enabled:  # the model with low-rank adapters beside its targeted weights
-        family = lora.adapted_family(family, cfg.lora, cfg.train.seed)
+    transforms = transform.active(cfg)  # e.g. low-rank adapters beside the targeted weights
+    for t in transforms:
+        family = t.family(family)
     plan = sharding_lib.plan(
         family,
         cfg.model,
@@ -169,11 +180,9 @@ def assemble(
         cfg.train.microbatches,
         cfg.pipeline,
     )
-    if cfg.lora.enabled and plan.layer_order is not None:
-        raise UserError(
-            "[lora] does not run under a circular pipeline schedule; use pipeline.schedule = gpipe "
-            "or rules without a stage axis"
-        )
+    for t in transforms:
+        t.check(plan)
+    partition = transform.Partition(transforms)
     return Setup(
         cfg=cfg,
         requested=requested,
@@ -181,7 +190,8 @@ def assemble(
         choices=choices,
         rules=resolved,
         plan=plan,
-        trainer=build_trainer(cfg, plan, choices) if optimizer else None,
+        trainer=build_trainer(cfg, plan, choices, partition) if optimizer else None,
+        partition=partition,
         mesh_spec=mesh,
         dcn_mesh_spec=dcn_mesh,
     )

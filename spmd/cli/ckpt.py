@@ -262,7 +262,9 @@ def export_hf(args) -> int:
     from spmd.parallel.sharding import fmt_bytes
 
     if args.adapter:
-        done = hf.export_adapter(args.run_dir, args.out, args.step, args.dtype)
+        from spmd.transforms import lora
+
+        done = lora.export_adapter(args.run_dir, args.out, args.step, args.dtype)
         if not jax.process_index():
             print(
                 f"exported the LoRA adapters of step {done['step']} (rank {done['rank']}, "

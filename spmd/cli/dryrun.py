@@ -89,7 +89,7 @@ def print_report(r: dict) -> None:
         "peak": "  device memory: arguments + outputs - aliased + temporaries - host",
         "host": "  host memory (pinned_host): offloaded optimizer state, host temporaries",
         "gradients": "  as the update takes them",
-        "frozen_params": "  of the params: LoRA's base weights (no gradients, no optimizer state)",
+        "frozen_params": "  of the params: frozen by a model transform (no gradients, no optimizer state)",
     }
     print("per device:")
     for k, v in r["per_device_bytes"].items():

@@ -16,7 +16,7 @@ What a family gives the engine:
 - its KV cache for decoding;
 - its auxiliary losses by name (`Aux`), their weights and the metrics made of their statistics;
 - optionally a Hugging Face adapter (`HFAdapter`): config and tensor-name mappings;
-- the projections LoRA may adapt (`lora_targets`).
+- the projections a model transform may adapt (`adapter_targets`).
 
 The engine reads a few settings of every family config by name: `vocab_size`, `d_model`,
 `n_layers`, `dtype` (compute), `param_dtype`, `remat` and `attention_impl`.
@@ -34,9 +34,17 @@ from spmd.core.errors import UserError, closest
 
 DEFAULT = "llama"
 BUILTIN = "spmd.models"
-# A low-rank adapter (spmd.training.lora) attached to a module's weight `w` is the module's attribute
-# ADAPTER_PREFIX + "w"; models find it with `adapter(module, "w")` (spmd.models.layers).
-ADAPTER_PREFIX = "lora_"
+
+
+def adapter_of(module, weight: str):
+    """The adapter a model transform (spmd.training.transform) attached to `module` beside its
+    parameter `weight`: a submodule whose `adapts` names it, called as `adapter(x, n_in,
+    lead_axes)` for its update of x's projection; None when there is none (the model runs
+    unchanged)."""
+    for value in vars(module).values():
+        if getattr(value, "adapts", None) == weight:
+            return value
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +197,8 @@ class ModelFamily:
     place; spmd.platform decides). `cache_shardings(cfg, per_layer, sharding)`: the cache's
     structure with `sharding(logical axes)` at each array. `logical_axes`: names the family adds
     to the engine's, each with the engine name whose mapping it takes where a rules file does not
-    map it (None: replicated). `lora_targets`: the projections LoRA may adapt (spmd.training.lora), each
+    map it (None: replicated). `adapter_targets`: the projections a model transform may adapt
+    (spmd.training.transform; low-rank adapters use them), each
     short name (q, k, v, o, gate, up, down) with the weight's attribute name in its module and how
     many of its leading axes the projection contracts (the module passes `adapter(self, name)`
     to `project`).
@@ -207,7 +216,7 @@ class ModelFamily:
     aux_weights: Callable[[object], dict] = _no_aux
     aux_metrics: Callable[[dict, object], dict] = lambda sums, count: {}
     hf: HFAdapter | None = None
-    lora_targets: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    adapter_targets: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def builtin() -> list[str]:

@@ -30,6 +30,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from spmd.assembly.config import CheckpointConfig
 from spmd.core.errors import UserError, stderr_parked
+from spmd.training import transform
 
 SUBDIR = "checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -527,51 +528,51 @@ def restore_params(directory: pathlib.Path, step: int, abstract_params) -> tuple
 
 
 def restore_weights(directory: pathlib.Path, step: int, abstract_params, fresh, meta: dict | None = None):
-    """(the model's weights at a checkpoint, laid out as `abstract_params`, meta): its parameters,
-    or for a LoRA run (spmd.training.lora: its checkpoints hold adapters) its base with the adapters folded
-    in, W + (alpha / rank) A B. `abstract_params` is a model without adapters; `fresh(seed)` draws
-    it from a seed (the base of a LoRA run that did not start from a checkpoint)."""
-    from spmd.training import lora
-
+    """(the model's weights at a checkpoint, laid out as `abstract_params`, meta): its parameters.
+    A run whose model transforms froze part of the model (spmd.training.transform) saved only what
+    trained: its weights are those it started from with the trained parameters put back and its
+    transforms merged (low-rank adapters folded in). `abstract_params` is the model without
+    transforms; `fresh(seed)` draws it from a seed (a run that did not start from a checkpoint)."""
     if meta is None:
         meta = check_meta(directory, step, read_meta(directory, step), ("run",))
     run = meta.get("run", {})
-    cfg = run.get("config", {}).get("lora") or {}
-    if not cfg.get("rank"):
+    transforms = transform.of_record(run.get("config", {}))
+    if not transforms:
         return restore_params(directory, step, abstract_params)
-    base = lora_base(run, abstract_params, fresh, f"checkpoint {directory}/{step}")
-    if cfg.get("base_dtype"):  # the weights the adapters were trained against
-        base = jax.tree.map(lambda x: x.astype(cfg["base_dtype"]).astype(x.dtype), base)
+    start = starting_weights(run, abstract_params, fresh, f"checkpoint {directory}/{step}")
+    frozen_dtype = transform.Partition(transforms).frozen_dtype
+    if frozen_dtype:  # the frozen weights were held, and trained against, in this dtype
+        start = jax.tree.map(lambda x: x.astype(frozen_dtype).astype(x.dtype), start)
     mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
-    adapters, meta = read_adapters(
+    trained, meta = read_trained(
         directory, step, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     )
-    scale = float(cfg.get("alpha", 16.0)) / int(cfg["rank"])
     shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
-    folded = jax.jit(lambda a, b: lora.merged(lora.combine(a, b), scale), out_shardings=shardings)(
-        adapters, base
-    )
-    return folded, meta
+    merged = jax.jit(
+        lambda t, w: transform.merged(transform.combine(t, w), transforms), out_shardings=shardings
+    )(trained, start)
+    return merged, meta
 
 
-def read_adapters(directory: pathlib.Path, step: int, sharding) -> tuple[dict, dict]:
-    """(a LoRA checkpoint's adapters as saved, each whole with `sharding`, meta): they are small
-    (rank r), so every device may hold them."""
+def read_trained(directory: pathlib.Path, step: int, sharding) -> tuple[dict, dict]:
+    """(the parameters a checkpoint holds, as saved, each whole with `sharding`, meta): for a run
+    that froze part of its model, what trained (low-rank adapters are small, so every device may
+    hold them)."""
     saved = {
         k[len("params/") :]: v for k, v in saved_arrays(directory, step).items() if k.startswith("params/")
     }
-    adapters = {}
+    tree = {}
     for key, (shape, dtype) in saved.items():
         *parents, name = key.split("/")
-        node = adapters
+        node = tree
         for part in parents:
             node = node.setdefault(part, {})
         node[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    return restore_params(directory, step, adapters)
+    return restore_params(directory, step, tree)
 
 
 def restore_model(directory: pathlib.Path, step: int, plan, meta: dict | None = None):
-    """`restore_weights` for a plan of a model without adapters (evaluation, sampling, export)."""
+    """`restore_weights` for a plan of a model without transforms (evaluation, sampling, export)."""
 
     def fresh(seed):
         return jax.jit(lambda: plan.init_params(seed), out_shardings=plan.param_shardings)()
@@ -579,10 +580,10 @@ def restore_model(directory: pathlib.Path, step: int, plan, meta: dict | None = 
     return restore_weights(directory, step, plan.abstract_params, fresh, meta)
 
 
-def lora_base(run: dict, abstract_params, fresh, where: str):
-    """A LoRA run's base weights (laid out as `abstract_params`) from what its checkpoint's `run`
-    record says: the checkpoint it started from (`init_from`, itself possibly a LoRA run), else
-    drawn from its train.seed."""
+def starting_weights(run: dict, abstract_params, fresh, where: str):
+    """The weights a run started from (laid out as `abstract_params`), from its checkpoint's `run`
+    record: the checkpoint it started from (`init_from`, itself possibly a transformed run), else
+    drawn from its train.seed. They are what a run's frozen parameters still are."""
     origin = run.get("init_from")
     if not origin:
         return fresh(int(run["config"].get("train", {}).get("seed", 0)))
@@ -590,17 +591,17 @@ def lora_base(run: dict, abstract_params, fresh, where: str):
         directory, step = locate(origin["path"])
     except UserError:
         raise UserError(
-            f"{where} holds LoRA adapters whose base weights were {origin['path']}, which is gone; "
-            f"restore that checkpoint to its place (the adapters alone are not the model)"
+            f"{where} holds only the parameters its run trained, on frozen weights from {origin['path']}, "
+            f"which is gone; restore that checkpoint to its place (the trained parameters alone are not the model)"
         ) from None
     return restore_weights(directory, step, abstract_params, fresh)[0]
 
 
-def frozen_base(trainer, meta: dict, where: str):
-    """A LoRA run's frozen base (`state["base"]`) for its checkpoint's `meta`, in lora.base_dtype."""
-    base = lora_base(meta.get("run", {}), trainer.abstract_weights, trainer.fresh_weights, where)
-    dtype = trainer.abstract_state["base"]
-    return jax.tree.map(lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), base, dtype)
+def frozen_of(trainer, meta: dict, where: str):
+    """The frozen part of a train state (`state["frozen"]`) restored from a checkpoint with
+    `meta`: the weights its run started from, in the dtype the trainer holds them in."""
+    weights = starting_weights(meta.get("run", {}), trainer.abstract_weights, trainer.fresh_weights, where)
+    return trainer.frozen_from(weights)
 
 
 def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -> tuple[dict, dict]:

@@ -28,7 +28,7 @@ from spmd.core.errors import UserError, check_writable
 from spmd.core.family import HFTensor
 from spmd.data import tokenizer as tokenizer_lib
 from spmd.parallel.sharding import path_str
-from spmd.training.lora import merged_config
+from spmd.training import transform
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -269,7 +269,7 @@ def hf_tensors(
         )
         for name, pieces in parts.items()
     }
-    return dict(sorted(out.items(), key=lambda kv: _natural(kv[0])))
+    return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
 
 def _to_host(x: jax.Array, idx: tuple[int, ...]) -> np.ndarray:
@@ -286,7 +286,7 @@ def _to_host(x: jax.Array, idx: tuple[int, ...]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(part, tiled=True))
 
 
-def _natural(name: str):
+def natural_key(name: str):
     """model.layers.10 after model.layers.9."""
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
@@ -308,7 +308,7 @@ def _read_json(path: pathlib.Path) -> dict:
     return doc
 
 
-def _empty_destination(path: pathlib.Path, flag: str, overwrite: bool = False) -> None:
+def empty_destination(path: pathlib.Path, flag: str, overwrite: bool = False) -> None:
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {str(path)!r} is a file; give a directory")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -316,14 +316,14 @@ def _empty_destination(path: pathlib.Path, flag: str, overwrite: bool = False) -
     check_writable(path, flag)
 
 
-def _sync(name: str) -> None:
+def sync_processes(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
 
 
-def _publish(tmp: pathlib.Path, dest: pathlib.Path) -> None:
+def publish(tmp: pathlib.Path, dest: pathlib.Path) -> None:
     """Move a finished temporary directory into place (process 0), so a failure leaves nothing."""
     import shutil
 
@@ -331,10 +331,10 @@ def _publish(tmp: pathlib.Path, dest: pathlib.Path) -> None:
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)
-    _sync(f"published {dest}")
+    sync_processes(f"published {dest}")
 
 
-def _temporary(dest: pathlib.Path) -> pathlib.Path:
+def temporary(dest: pathlib.Path) -> pathlib.Path:
     """A fresh temporary directory beside `dest` (one name for all processes: a shared filesystem)."""
     import shutil
 
@@ -343,7 +343,7 @@ def _temporary(dest: pathlib.Path) -> pathlib.Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    _sync(f"made {tmp}")
+    sync_processes(f"made {tmp}")
     return tmp
 
 
@@ -414,7 +414,7 @@ def import_hf(
     mapping = adapter(family)
     generation = _read_json(src / GENERATION_CONFIG) if (src / GENERATION_CONFIG).is_file() else None
     dest = pathlib.Path(run_dir).expanduser()
-    _empty_destination(dest, "--run-dir", overwrite)
+    empty_destination(dest, "--run-dir", overwrite)
     base = Config(name=dest.name, model=family.config_cls(**mapping.model_fields(hf, str(src / CONFIG))))
     cfg = apply_overrides(base, overrides)
     weights = Weights(src)
@@ -448,7 +448,7 @@ def import_hf(
         "params_only": True,
         "run": run,
     }
-    tmp = _temporary(dest)
+    tmp = temporary(dest)
     writer = Checkpointer(tmp, CheckpointConfig(async_save=False))
     writer.save(0, {"params": params}, meta)
     writer.close()
@@ -460,13 +460,13 @@ def import_hf(
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
                 copied.append(name)
-    _publish(tmp, dest)
+    publish(tmp, dest)
     n_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     return {"architecture": arch, "config": cfg, "tensors": len(weights.shapes), "bytes": n_bytes,
             "tokenizer": copied}  # fmt: skip
 
 
-def _exported(path: str, step: int | None):
+def exported(path: str, step: int | None):
     """(checkpoint directory, step, meta, run config) of what an export reads: `path`'s latest
     committed step, or `step`."""
     from spmd.assembly.config import config_from_json
@@ -493,8 +493,9 @@ def export_hf(
 ) -> dict:
     """Write an HF directory (config.json, generation_config.json, safetensors shards of at most
     `max_shard_bytes` with their index, the run's tokenizer) from a checkpoint on any mesh.
-    Tensors are written in `dtype` (default: the parameters' own). A LoRA run's model is its base
-    with the adapters merged in (always; `merge` says it was asked for, and refuses other runs)."""
+    Tensors are written in `dtype` (default: the parameters' own). A run with model transforms
+    (spmd.training.transform) is exported merged (always; `merge` says it was asked for, and
+    refuses a run without any)."""
     import shutil
 
     from safetensors.numpy import save_file
@@ -502,10 +503,11 @@ def export_hf(
     from spmd.assembly.setup import assemble
     from spmd.io import checkpoint as ckpt
 
-    directory, latest, meta, cfg = _exported(path, step)
-    if merge and not cfg.lora.enabled:
+    directory, latest, meta, cfg = exported(path, step)
+    if merge and not transform.active(cfg):
         raise UserError(
-            f"--merge: {directory}/{latest} holds no LoRA adapters (lora.rank = 0); export it without --merge"
+            f"--merge: {directory}/{latest} has no model transform to merge (its config turns none on, "
+            f"e.g. no adapters); export it without --merge"
         )
     origin = meta["run"].get("hf") or meta["run"].get("init_from", {}).get("hf") or {}
     mapping = adapter(cfg.model_family)
@@ -516,11 +518,11 @@ def export_hf(
     if max_shard_bytes < 1:
         raise UserError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     dest = pathlib.Path(out).expanduser()
-    _empty_destination(dest, "--out")
+    empty_destination(dest, "--out")
     config = mapping.hf_config(cfg.model, arch, origin.get("config"), cfg.train.seq_len, dtype)
     mapping.tensors(cfg.model)  # raises for what HF cannot express, before anything is read
 
-    setup = assemble(merged_config(cfg), mesh, rules, optimizer=False, batch_size=0)
+    setup = assemble(transform.plain(cfg), mesh, rules, optimizer=False, batch_size=0)
     params, _ = ckpt.restore_model(directory, latest, setup.plan, meta)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     named = hf_tensors(mapping, cfg.model, params, np_dtype)
@@ -538,7 +540,7 @@ def export_hf(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    tmp = _temporary(dest)
+    tmp = temporary(dest)
     is_main = jax.process_index() == 0
     weight_map, total = {}, 0
     for file, names in zip(files, shards):
@@ -567,83 +569,8 @@ def export_hf(
         for name in TOKENIZER_FILES:
             if (run_dir / name).is_file():
                 shutil.copy2(run_dir / name, tmp / name)
-    _sync(f"wrote {tmp}")
-    _publish(tmp, dest)
+    sync_processes(f"wrote {tmp}")
+    publish(tmp, dest)
     note = mapping.export_note(cfg.model)
     return {"architecture": arch, "step": latest, "files": files, "tensors": len(named), "bytes": total,
             "capacity_note": note}  # fmt: skip
-
-
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-
-
-def export_adapter(path: str, out: str, step: int | None = None, dtype: str | None = None) -> dict:
-    """Write a LoRA run's adapters as a `peft` adapter directory (adapter_config.json,
-    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` puts on the base model as
-    exported by export-hf from the run it started from."""
-    from safetensors.numpy import save_file
-
-    from spmd.io import checkpoint as ckpt
-    from spmd.training.lora import PREFIX
-
-    directory, latest, meta, cfg = _exported(path, step)
-    if not cfg.lora.enabled:
-        raise UserError(
-            f"{directory}/{latest} holds no LoRA adapters (lora.rank = 0); export its weights with export-hf --out DIR"
-        )
-    mapping = adapter(cfg.model_family)
-    tensors = mapping.tensors(cfg.model)
-    dtype = dtype or cfg.model.param_dtype
-    dest = pathlib.Path(out).expanduser()
-    _empty_destination(dest, "--out")
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    adapters, _ = ckpt.read_adapters(directory, latest, device)
-    flat = {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(adapters)}
-    named, modules = {}, set()
-    np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    for key in sorted(k for k in flat if k.endswith("/a")):
-        at = key[: -len("/a")]
-        parent, name = at.rsplit("/", 1)
-        weight = f"{parent}/{name[len(PREFIX) :]}"
-        t = tensors[weight]
-        if not t.transpose or t.part is not None:  # not one nn.Linear of HF's per weight of ours
-            raise UserError(
-                f"{weight} is not one Linear layer in {cfg.model_family.name}'s HF model, which peft cannot "
-                f"adapt alike; export the merged model with export-hf --merge"
-            )
-        a, b = flat[key], flat[f"{at}/b"]
-        n = t.stacked
-        shape = (*a.shape[:-1], *b.shape[n + 1 :])
-        for idx, hf_name in hf_names(t, shape):
-            module = hf_name.removesuffix(".weight")
-            modules.add(module.rsplit(".", 1)[-1])
-            rank = a.shape[-1]
-            # HF's Linear computes x W^T with W (out, in): its update B_peft A_peft is ours, transposed.
-            named[f"base_model.model.{module}.lora_A.weight"] = a[idx].reshape(-1, rank).T.astype(np_dtype)
-            named[f"base_model.model.{module}.lora_B.weight"] = b[idx].reshape(rank, -1).T.astype(np_dtype)
-    origin = meta["run"].get("hf") or meta["run"].get("init_from", {}).get("hf") or {}
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": cfg.lora.rank,
-        "lora_alpha": cfg.lora.alpha,
-        "lora_dropout": cfg.lora.dropout,
-        "target_modules": sorted(modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "base_model_name_or_path": origin.get("source"),
-    }
-    tmp = _temporary(dest)
-    if jax.process_index() == 0:
-        named = {k: np.ascontiguousarray(v) for k, v in sorted(named.items(), key=lambda kv: _natural(kv[0]))}
-        save_file(named, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_WEIGHTS).chmod(0o644)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    _sync(f"wrote {tmp}")
-    _publish(tmp, dest)
-    return {"step": latest, "tensors": len(named), "modules": sorted(modules), "rank": cfg.lora.rank}

@@ -22,7 +22,7 @@ from spmd.core.mesh import axes_size
 from spmd.core.rules import load_rules
 from spmd.io import checkpoint as ckpt
 from spmd.parallel.sharding import path_str
-from spmd.training.lora import merged_config
+from spmd.training import transform
 from spmd.training.trainer import held_out_by_source
 
 
@@ -70,8 +70,8 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
             )
         latest = step
     meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
-    # A LoRA run is evaluated and sampled as its merged model: the adapters folded into the base.
-    cfg = merged_config(config_from_json(meta["run"]["config"]))
+    # A run with model transforms is evaluated and sampled as its merged model (adapters folded in).
+    cfg = transform.plain(config_from_json(meta["run"]["config"]))
     setup = assemble(
         cfg,
         mesh_spec,

@@ -1,8 +1,9 @@
 """Train state, the jitted train and eval steps, and the Trainer that ties them to a mesh.
 
 The train state is a plain pytree `{"params", "opt_state", "step"}` whose shardings come from the
-rules. The step takes and returns it with those shardings and donates the old one. Under `[lora]`
-(spmd.training.lora) `params` holds the adapters alone and `base` the frozen weights, passed through.
+rules. The step takes and returns it with those shardings and donates the old one. When a model
+transform freezes part of the model (spmd.training.transform), `params` holds what trains and
+`frozen` the rest, passed through.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.parallel import context, dataparallel, memory
 from spmd.parallel import sharding as sharding_lib
 from spmd.platform import cpu_matmul
-from spmd.training import lora
+from spmd.training import transform
 from spmd.training.loss import cross_entropy
 from spmd.training.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
@@ -106,7 +107,9 @@ class Trainer:
     train_step: object  # jitted (state, batch) -> (state, metrics)
     eval_step: object  # jitted (params, batch) -> (ce_sum, count)
     init_state: object  # jitted () -> state
-    state_from_params: object  # jitted params -> state with fresh optimizer state at step 0
+    state_from_params: (
+        object  # jitted weights (abstract_weights) -> state with fresh optimizer state at step 0
+    )
     # The mesh axes a pure data-parallel step sums its gradients over as one flat vector
     # (spmd/parallel/dataparallel.py); None when XLA's all-reduce does it.
     flat_grad_axes: tuple[str, ...] | None = None
@@ -114,45 +117,47 @@ class Trainer:
     # state unchanged when the loss is above max_loss (train.on_spike = skip, spmd.loop.spikes); made
     # only by runs that use it (a oneDNN program is kept alive once made: spmd.platform.cpu_matmul.keep)
     guarded_step: object = None
+    # which parameters train (`params`) and which are frozen (`frozen`): spmd.training.transform
+    partition: transform.Partition = transform.Partition()
 
     def model_params(self, state) -> dict:
-        """The whole model's parameters in a train state: `params`, with the frozen `base` of a
-        LoRA run (spmd.training.lora) beside its adapters."""
-        return lora.combine(state["params"], state["base"]) if "base" in state else state["params"]
+        """The whole model's parameters in a train state: `params`, with the `frozen` ones beside."""
+        return transform.combine(state["params"], state["frozen"]) if "frozen" in state else state["params"]
 
     def to_canonical(self, state):
         """The train state as checkpoints hold it: its layer stacks in canonical order (new arrays
-        under a circular pipeline's permuted storage, the arrays themselves otherwise), without a
-        LoRA run's frozen base (the checkpoint refers to it: spmd.io.checkpoint.frozen_base)."""
-        saved = {k: v for k, v in state.items() if k != "base"}
+        under a circular pipeline's permuted storage, the arrays themselves otherwise), without the
+        frozen parameters (they are the weights the run started from: spmd.io.checkpoint)."""
+        saved = {k: v for k, v in state.items() if k != "frozen"}
         return self.plan.to_canonical(saved, {k: self.state_shardings[k] for k in saved})
 
-    def from_canonical(self, state, base=None):
-        """The inverse of `to_canonical` (after a restore), with a LoRA run's `base` put back."""
+    def from_canonical(self, state, frozen=None):
+        """The inverse of `to_canonical` (after a restore), with the `frozen` parameters put back."""
         state = self.plan.from_canonical(state, {k: self.state_shardings[k] for k in state})
-        return state if base is None else {**state, "base": base}
+        return state if frozen is None else {**state, "frozen": frozen}
 
     @functools.cached_property
     def abstract_saved(self):
-        """`abstract_state` as checkpoints hold it (without a LoRA run's base): a restore target."""
-        return {k: v for k, v in self.abstract_state.items() if k != "base"}
+        """`abstract_state` as checkpoints hold it (without the frozen parameters): a restore target."""
+        return {k: v for k, v in self.abstract_state.items() if k != "frozen"}
 
     @functools.cached_property
     def abstract_weights(self):
-        """The weights a run starts from (`--init-from`): the model's parameters, or under [lora]
-        the base's (every parameter but the adapters), in the parameter dtype."""
-        return (
-            lora.split(self.plan.abstract_params)[1] if self.cfg.lora.enabled else self.plan.abstract_params
-        )
+        """The weights a run starts from (`--init-from`): the model's parameters without those its
+        transforms add, in the parameter dtype."""
+        return self.partition.without_added(self.plan.abstract_params)
 
     def fresh_weights(self, seed: int):
         """`abstract_weights` drawn from `seed`, as a fresh run draws them."""
         shardings = jax.tree.map(lambda x: x.sharding, self.abstract_weights)
         init = self.plan.init_params
-        return jax.jit(
-            lambda: lora.split(init(seed))[1] if self.cfg.lora.enabled else init(seed),
-            out_shardings=shardings,
-        )()
+        return jax.jit(lambda: self.partition.without_added(init(seed)), out_shardings=shardings)()
+
+    def frozen_from(self, weights):
+        """The state's `frozen` part from the weights the run started from (`abstract_weights`)."""
+        frozen = self.partition.split(weights)[1]
+        want = self.abstract_state["frozen"]
+        return jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), frozen, want)
 
     @functools.cached_property
     def abstract_state(self):
@@ -164,9 +169,9 @@ class Trainer:
         )
 
     def state_bytes(self) -> dict:
-        """Per device (the most loaded one): parameters, gradients (as the update consumes them:
-        split like the update under a sharded weight update), the optimizer state in all, and the
-        optimizer state by "dtype memory-kind" (e.g. "bfloat16 pinned_host")."""
+        """Per device (the most loaded one): parameters (trained and frozen), gradients (as the
+        update consumes them: split like the update under a sharded weight update), the optimizer
+        state in all, and the optimizer state by "dtype memory-kind" (e.g. "bfloat16 pinned_host")."""
         opt = self.abstract_state["opt_state"]
         by = {}
         for x in jax.tree.leaves(opt):
@@ -176,7 +181,7 @@ class Trainer:
         grads = jax.tree.map(
             lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), trained, self.update_shardings
         )
-        frozen = sharding_lib.tree_bytes_per_device(self.abstract_state.get("base", {}))
+        frozen = sharding_lib.tree_bytes_per_device(self.abstract_state.get("frozen", {}))
         return {
             "params": sharding_lib.tree_bytes_per_device(trained) + frozen,
             "frozen_params": frozen,
@@ -193,25 +198,12 @@ class Trainer:
         }
 
 
-def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
-    """The jitted steps of `cfg` under `plan`, compiled as the platform `choices` say
-    (spmd.assembly.policy.Choices: matmul library, XLA options, how gradients are summed)."""
-    mesh, rules, graphdef = plan.mesh, plan.rules, plan.graphdef
-    tcfg = cfg.train
-    adapted = cfg.lora.enabled
-    # What trains: every parameter, or under [lora] the adapters (the base is frozen: spmd.training.lora).
-    trained_of = (lambda tree: lora.split(tree)[0]) if adapted else (lambda tree: tree)
-    abstract_trained = trained_of(plan.abstract_params)
-    tx = make_optimizer(
-        cfg.optimizer, tcfg.steps, trained_of(decay_mask(plan)), trained_of(matrix_dims(plan))
-    )
-    schedule = lr_schedule(cfg.optimizer, tcfg.steps)
-
-    opt_shapes = jax.eval_shape(tx.init, abstract_trained)
-    # The optimizer state follows its parameter's sharding, split further over the rules'
-    # shard_optimizer_over axes (the sharded weight update); so does the update itself, below.
-    # State that is not shaped like its parameter (Adafactor's factored rows and columns, step
-    # counters) is replicated: it is small.
+def optimizer_shardings(plan, abstract_trained, opt_shapes):
+    """(optimizer state shardings, update shardings): the state follows its parameter's sharding,
+    split further over the rules' shard_optimizer_over axes (the sharded weight update); so does
+    the update itself. State not shaped like its parameter (Adafactor's factored rows and columns,
+    step counters) is replicated: it is small."""
+    rules, mesh = plan.rules, plan.mesh
     opt_shardings = sharding_lib.like_params(
         opt_shapes,
         abstract_trained,
@@ -225,177 +217,190 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices) -> Trainer:
     update_shardings = jax.tree.map(
         lambda x: sharding_lib.update_sharding(rules, mesh, x.sharding, x.shape), abstract_trained
     )
-    # optimizer.offload: the state lives in host memory between steps and is streamed to the
-    # device for the update (the moves are XLA's, from the memory kinds; spmd/parallel/memory.py).
-    offload = cfg.optimizer.offload
-    stored_opt_shardings = memory.host_shardings(opt_shardings) if offload else opt_shardings
-    trained_shardings = jax.tree.map(lambda x: x.sharding, abstract_trained)
-    state_shardings = {
-        "params": trained_shardings,
-        "opt_state": stored_opt_shardings,
-        "step": plan.replicated,
-    }
-    base_dtype = jnp.dtype(cfg.lora.base_dtype or cfg.model.param_dtype)
-    if adapted:
-        state_shardings["base"] = lora.split(plan.param_shardings)[1]
+    return opt_shardings, update_shardings
 
-    def init():
-        params = plan.init_params(tcfg.seed)
-        return from_params(lora.split(params)[1] if adapted else params)
 
-    def from_params(params):
-        """A fresh state from trained parameters; under [lora], from the base weights (the
-        adapters start fresh from the seed: B = 0, so the model starts as the base)."""
-        if adapted:
-            base = jax.tree.map(lambda x: x.astype(base_dtype), params)
-            trained = lora.split(plan.init_params(tcfg.seed))[0]  # the base's draws are dead code
-            return {
-                "params": trained,
-                "base": base,
-                "opt_state": tx.init(trained),
-                "step": jnp.zeros((), jnp.int32),
-            }
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+def accumulated(value_and_grad, k: int, micro_sharding, flat_axes):
+    """(params, batch, key) -> (gradients, sums) of `value_and_grad(params, batch, key_i)` over the
+    batch's k microbatches, summed (a scan; one call when k is 1). Microbatch i takes rows i, i+k,
+    i+2k, ...: the reshape keeps each device's rows on that device, so splitting moves no data."""
 
-    seq_perm = context.seq_permutation(rules, mesh, tcfg.seq_len)
-    family = plan.family
-    aux_weights = family.aux_weights(cfg.model)
+    def one(params, batch, key, i):
+        (_, sums), grads = value_and_grad(params, batch, None if key is None else jax.random.fold_in(key, i))
+        return grads, sums
 
-    def losses_of(params, batch):
-        return token_losses(
-            graphdef,
-            params,
-            batch,
-            z_loss=tcfg.z_loss,
-            mask_token_id=cfg.data.mask_token_id,
-            seq_perm=seq_perm,
-            aux_weights=aux_weights,
-            fused_loss=choices.fused_loss,
-        )
-
-    losses = jax.value_and_grad(losses_of, has_aux=True)
-    k = tcfg.microbatches
-    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
-    # Pure data parallelism on CPU across processes: each device's gradient summed as one vector
-    # (spmd/parallel/dataparallel.py); the model then traces per device, without activation constraints.
-    dense = not family.aux_weights(cfg.model)
-    flat_axes = (
-        None if adapted else dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
-    )
-
-    def grads_and_sums(params, batch: Batch, base=None, key=None):
-        """Gradients of `params` (with the frozen `base` of a LoRA run beside them) and the sums;
-        `key`: the step's dropout key (LoRA), one per microbatch."""
-
-        def one(batch, i):
-            with lora.dropout_key(None if key is None else jax.random.fold_in(key, i)):
-                if base is None:
-                    return losses(params, batch)
-                return jax.value_and_grad(lambda p, b: losses_of(lora.combine(p, base), b), has_aux=True)(
-                    params, batch
-                )
-
+    def run(params, batch, key=None):
         if k == 1:
-            (_, sums), grads = one(batch, 0)
-            return grads, sums
+            return one(params, batch, key, 0)
 
-        # Microbatch i takes rows i, i+k, i+2k, ...: the reshape keeps each device's rows on that
-        # device, so splitting the batch moves no data.
         def split(x_BT):
             B, T = x_BT.shape
             x_kbT = x_BT.reshape(B // k, k, T).swapaxes(0, 1)
             return x_kbT if flat_axes else jax.lax.with_sharding_constraint(x_kbT, micro_sharding)
 
-        def accumulate(carry, microbatch):
-            grads_acc, sums_acc = carry
-            (_, sums), grads = one(*microbatch)
-            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+        def add(carry, microbatch):
+            grads, sums = one(params, *microbatch[:1], key, microbatch[1])
+            return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
-        sums_shape = jax.eval_shape(lambda: one(jax.tree.map(lambda x: x[::k], batch), 0)[0][1])
+        sums_shape = jax.eval_shape(lambda: one(params, jax.tree.map(lambda x: x[::k], batch), key, 0)[1])
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         if flat_axes:  # per device in a shard_map: the carry varies over the data axes, as the sums do
             zero_sums = jax.lax.pcast(zero_sums, flat_axes, to="varying")
         zeros = (jax.tree.map(jnp.zeros_like, params), zero_sums)
-        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jax.tree.map(split, batch), jnp.arange(k)))
-        return grads, sums
+        return jax.lax.scan(add, zeros, (jax.tree.map(split, batch), jnp.arange(k)))[0]
+
+    return run
+
+
+def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=transform.Partition()) -> Trainer:
+    """The jitted steps of `cfg` under `plan`, compiled as the platform `choices` say
+    (spmd.assembly.policy.Choices: matmul library, XLA options, how gradients are summed). Only the
+    parameters `partition` says train get gradients and optimizer state; the frozen ones are
+    carried in the state (spmd.training.transform)."""
+    mesh, graphdef, tcfg = plan.mesh, plan.graphdef, cfg.train
+
+    def trained_of(tree):
+        return partition.split(tree)[0]
+
+    abstract_trained = trained_of(plan.abstract_params)
+    tx = make_optimizer(
+        cfg.optimizer, tcfg.steps, trained_of(decay_mask(plan)), trained_of(matrix_dims(plan))
+    )
+    schedule = lr_schedule(cfg.optimizer, tcfg.steps)
+    opt_shardings, update_shardings = optimizer_shardings(
+        plan, abstract_trained, jax.eval_shape(tx.init, abstract_trained)
+    )
+    # optimizer.offload: the state lives in host memory between steps and is streamed to the
+    # device for the update (the moves are XLA's, from the memory kinds; spmd/parallel/memory.py).
+    offload = cfg.optimizer.offload
+    state_shardings = {
+        "params": jax.tree.map(lambda x: x.sharding, abstract_trained),
+        "opt_state": memory.host_shardings(opt_shardings) if offload else opt_shardings,
+        "step": plan.replicated,
+    }
+    if partition.freezes:
+        state_shardings["frozen"] = partition.split(plan.param_shardings)[1]
+    frozen_dtype = jnp.dtype(partition.frozen_dtype or cfg.model.param_dtype)
+
+    def from_params(weights):
+        """A fresh state from the weights a run starts from; what the transforms add starts fresh
+        from the seed (the rest of that draw is dead code)."""
+        params = weights
+        if partition.freezes:
+            params = transform.combine(partition.added(plan.init_params(tcfg.seed)), weights)
+        trained, frozen = partition.split(params)
+        state = {"params": trained, "opt_state": tx.init(trained), "step": jnp.zeros((), jnp.int32)}
+        if partition.freezes:
+            state["frozen"] = jax.tree.map(lambda x: x.astype(frozen_dtype), frozen)
+        return state
+
+    seq_perm = context.seq_permutation(plan.rules, mesh, tcfg.seq_len)
+    family = plan.family
+    aux_weights = family.aux_weights(cfg.model)
+
+    def losses_of(params, batch, frozen=None, key=None):
+        with partition.step_context(key):
+            return token_losses(
+                graphdef, params if frozen is None else transform.combine(params, frozen), batch,
+                z_loss=tcfg.z_loss, mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm,
+                aux_weights=aux_weights, fused_loss=choices.fused_loss,
+            )  # fmt: skip
+
+    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))
+    # Pure data parallelism on CPU across processes: each device's gradient summed as one vector
+    # (spmd/parallel/dataparallel.py); the model then traces per device, without activation constraints.
+    dense = not family.aux_weights(cfg.model)
+    flat_axes = (
+        None
+        if partition.freezes
+        else dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
+    )
 
     def train_step(state, batch: Batch, max_loss=None):
+        frozen = state.get("frozen")
+        value_and_grad = jax.value_and_grad(lambda p, b, key: losses_of(p, b, frozen, key), has_aux=True)
+        grads_and_sums = accumulated(value_and_grad, tcfg.microbatches, micro_sharding, flat_axes)
         if flat_axes:
             summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
-            grads, (ce_sum, z_sum, count, aux) = summed(state["params"], batch)
+            grads, sums = summed(state["params"], batch)
         else:
-            key = None
-            if adapted and cfg.lora.dropout:
-                key = jax.random.fold_in(jax.random.key(tcfg.seed), state["step"])
+            key = (
+                jax.random.fold_in(jax.random.key(tcfg.seed), state["step"]) if partition.needs_key else None
+            )
             with plan.activate():
-                grads, (ce_sum, z_sum, count, aux) = grads_and_sums(
-                    state["params"], batch, state.get("base"), key
-                )
-        grads = jax.tree.map(lambda g: g / count, grads)
-        # Gradients are reduced to where the update runs: the parameters' sharding, or under a
-        # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
-        # one); the updated parameters are gathered back to their own sharding by out_shardings.
-        grads = jax.lax.with_sharding_constraint(grads, update_shardings)
-        old_opt_state = jax.device_put(state["opt_state"], opt_shardings) if offload else state["opt_state"]
-        updates, opt_state = tx.update(grads, old_opt_state, state["params"])
-        updates = jax.lax.with_sharding_constraint(updates, update_shardings)
-        params = optax.apply_updates(state["params"], updates)
-        grad_norm = optax.tree.norm(grads)
-        # A non-finite loss or gradient skips the update: parameters and optimizer state stay as
-        # they were (a select, fused into the update, so the kept branch is bit-identical).
-        finite = jnp.isfinite(ce_sum) & jnp.isfinite(z_sum) & jnp.isfinite(grad_norm)
-        # Under on_spike = skip a loss above the threshold the loop passes is skipped alike.
-        spiked = None if max_loss is None else finite & (ce_sum / count > max_loss)
-        keep = finite if spiked is None else finite & ~spiked
-        params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(keep, new, old),
-            (params, opt_state),
-            (state["params"], old_opt_state),
+                grads, sums = grads_and_sums(state["params"], batch, key)
+        new_state, metrics = apply_update(
+            state, grads, sums, max_loss, tx, opt_shardings, update_shardings, offload
         )
-        metrics = {
-            "loss": ce_sum / count,
-            "z_loss": z_sum / count,
-            "grad_norm": grad_norm,
-            "learning_rate": schedule(state["step"]),
-            "tokens": count,
-            "skipped": 1 - keep.astype(jnp.int32),
-            "aux": family.aux_metrics(aux, count) if aux else {},  # the model's own, by name
-        }
-        if spiked is not None:
-            metrics["spiked"] = spiked.astype(jnp.int32)
-        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        if adapted:
-            new_state["base"] = state["base"]  # frozen, passed through (donated, so not copied)
+        metrics["learning_rate"] = schedule(state["step"])
+        metrics["aux"] = family.aux_metrics(sums[3], sums[2]) if sums[3] else {}  # the model's own, by name
+        if frozen is not None:
+            new_state["frozen"] = frozen  # passed through (donated, so not copied)
         return new_state, metrics
 
     batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
+
+    def jit_step(*extra):
+        return cpu_matmul.jit(
+            train_step, choices.matmul, in_shardings=(state_shardings, batch_shardings, *extra),
+            out_shardings=(state_shardings, plan.replicated), donate_argnums=0,
+            compiler_options=choices.train_options,
+        )  # fmt: skip
+
     return Trainer(
         cfg=cfg,
         plan=plan,
         tx=tx,
         state_shardings=state_shardings,
         update_shardings=update_shardings,
-        train_step=cpu_matmul.jit(
-            train_step,
-            choices.matmul,
-            in_shardings=(state_shardings, batch_shardings),
-            out_shardings=(state_shardings, plan.replicated),
-            donate_argnums=0,
-            compiler_options=choices.train_options,
-        ),
-        guarded_step=lambda: cpu_matmul.jit(
-            train_step,
-            choices.matmul,
-            in_shardings=(state_shardings, batch_shardings, plan.replicated),
-            out_shardings=(state_shardings, plan.replicated),
-            donate_argnums=0,
-            compiler_options=choices.train_options,
-        ),
+        train_step=jit_step(),
+        guarded_step=lambda: jit_step(plan.replicated),
         eval_step=build_eval_step(cfg, plan, choices),
-        init_state=jax.jit(init, out_shardings=state_shardings, compiler_options=choices.init_options),
+        init_state=jax.jit(
+            lambda: from_params(partition.without_added(plan.init_params(tcfg.seed))),
+            out_shardings=state_shardings,
+            compiler_options=choices.init_options,
+        ),  # fmt: skip
         state_from_params=jax.jit(from_params, out_shardings=state_shardings),
         flat_grad_axes=flat_axes,
+        partition=partition,
     )
+
+
+def apply_update(state, grads, sums, max_loss, tx, opt_shardings, update_shardings, offload: bool):
+    """(new state without `frozen`, metrics): the optimizer's update of the trained parameters from
+    the summed gradients. A non-finite loss or gradient, or under on_spike = skip a loss above
+    `max_loss`, leaves parameters and optimizer state as they were (a select, fused into the
+    update, so the kept branch is bit-identical)."""
+    ce_sum, z_sum, count, _ = sums
+    grads = jax.tree.map(lambda g: g / count, grads)
+    # Gradients are reduced to where the update runs: the parameters' sharding, or under a
+    # sharded weight update each device's slice of it (a reduce-scatter, where the backend has
+    # one); the updated parameters are gathered back to their own sharding by out_shardings.
+    grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+    old_opt_state = jax.device_put(state["opt_state"], opt_shardings) if offload else state["opt_state"]
+    updates, opt_state = tx.update(grads, old_opt_state, state["params"])
+    updates = jax.lax.with_sharding_constraint(updates, update_shardings)
+    params = optax.apply_updates(state["params"], updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(ce_sum) & jnp.isfinite(z_sum) & jnp.isfinite(grad_norm)
+    spiked = None if max_loss is None else finite & (ce_sum / count > max_loss)
+    keep = finite if spiked is None else finite & ~spiked
+    params, opt_state = jax.tree.map(
+        lambda new, old: jnp.where(keep, new, old),
+        (params, opt_state),
+        (state["params"], old_opt_state),
+    )
+    metrics = {
+        "loss": ce_sum / count,
+        "z_loss": z_sum / count,
+        "grad_norm": grad_norm,
+        "tokens": count,
+        "skipped": 1 - keep.astype(jnp.int32),
+    }
+    if spiked is not None:
+        metrics["spiked"] = spiked.astype(jnp.int32)
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
 def build_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
