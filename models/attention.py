@@ -3,7 +3,7 @@ the devices once, by spmd.assembly.policy, before a model is built).
 
 Legend: B batch, T query positions, S key positions, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, Q = G * T (a kv head's queries, all groups),
-b = B * K (batch and kv heads merged; on CPU only).
+b = B * K (batch and kv heads merged, where the run's Lowering says so).
 """
 
 import functools
@@ -11,17 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from spmd.core.logical import (
-    KV_AXES,
-    Q_AXES,
-    TOKEN_AXES,
-    is_split,
-    per_shard,
-    provided,
-    target_device_kind,
-    target_platform,
-)
-from spmd.kernels import tuning
+from spmd.core.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, lowering, per_shard, provided
 from spmd.kernels.chunked_attention import chunked_attention
 from spmd.kernels.flash_attention import BlockSizes, flash_attention
 
@@ -62,7 +52,7 @@ def xla_attention(
     its own segment.
 
     Causal self-attention longer than CAUSAL_BLOCK_MIN runs as query blocks (see CAUSAL_BLOCKS).
-    merge_batch_heads: see _grouped_attention (default: merged for CPU programs only).
+    merge_batch_heads: see _grouped_attention (default: as the run's Lowering says).
     """
     B, T, N, H = q_BTNH.shape
     S = k_BSKH.shape[1]
@@ -110,16 +100,16 @@ def _grouped_attention(
     position of the first query, the keys starting at position 0; k_segment_ids_BS: the keys'
     segment ids where the keys are not the queries.
 
-    merge_batch_heads (default: when the program is for CPU) lays (B, K) end to end as one batch
-    axis b, the form XLA:CPU runs fastest. Elsewhere the dots keep B and K as two batch axes: when
-    B and K are split over different mesh axes (data and tensor), GSPMD cannot carry both splits
-    through the merge and gathers the operands over the heads' axis (seen in the TPU compiler's
+    merge_batch_heads (default: the run's Lowering) lays (B, K) end to end as one batch axis b,
+    the form XLA:CPU runs fastest. Otherwise the dots keep B and K as two batch axes: when B and K
+    are split over different mesh axes (data and tensor), GSPMD cannot carry both splits through
+    the merge and gathers the operands over the heads' axis (seen in the TPU compiler's
     programs)."""
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     G = N // K
     if merge_batch_heads is None:
-        merge_batch_heads = target_platform() == "cpu"
+        merge_batch_heads = lowering().merge_batch_heads
     mask_BTS = None  # or (1, T, S) when the same for every row
     if q_positions_BT is not None:
         kpos_B1S = k_positions_BS[:, None, :]
@@ -150,8 +140,8 @@ def _grouped_attention(
         Bm = mask_BTS.shape[0]
         Km = K if Bm > 1 else 1
         mask_bQS = jnp.broadcast_to(mask_BTS[:, None, None], (Bm, Km, G, T, S)).reshape(Bm * Km, G * T, S)
-    if target_platform() == "cpu":
-        out_bQH = softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, H**-0.5)
+    if lowering().attention_vjp == "few_passes":
+        out_bQH = softmax_attention_few_passes(q_bQH, k_bSH, v_bSH, mask_bQS, H**-0.5)
     else:
         out_bQH = _softmax_attention(q_bQH, k_bSH, v_bSH, mask_bQS, H**-0.5)[0]
     return out_bQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
@@ -181,7 +171,7 @@ def _scaled_attention(qs_bQH, k_bSH, v_bSH, mask_bQS):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def softmax_attention_cpu(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
+def softmax_attention_few_passes(q_bQH, k_bSH, v_bSH, mask_bQS, scale):
     """_softmax_attention's output, with a backward written for XLA:CPU in as few passes over the
     (Q, S) scores as the math needs: with qs = q * scale and the saved probabilities p (compute
     dtype), dv = p^T do, dp = do v^T, ds = p * (dp - rowsum(p * dp)) (the logits' gradient),
@@ -217,22 +207,15 @@ def _softmax_attention_bwd(scale, res, dout_bQH):
     return dq_bQH, dk_bSH, dv_bSH, None
 
 
-softmax_attention_cpu.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
-
-
-def tuned_blocks(q_BTNH) -> BlockSizes:
-    """The flash kernel's block sizes measured best for this shape on the target device kind
-    (spmd.kernels.tuning), else its defaults."""
-    measured = tuning.lookup(target_device_kind(), q_BTNH.dtype.name, q_BTNH.shape[-1], q_BTNH.shape[1])
-    return BlockSizes(**measured.blocks) if measured is not None and measured.blocks else BlockSizes()
+softmax_attention_few_passes.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, tpu=False):
     """The Pallas flash kernel, run per device on its batch and head shards (GSPMD cannot split a
-    kernel call itself). `tpu`: the kernel's TPU (Mosaic) block layout. Interpret mode where the
-    devices it runs on (not this host's: a TPU topology's in a dry-run) are CPUs."""
-    interpret = target_platform() == "cpu"
-    blocks = tuned_blocks(q_BTNH)
+    kernel call itself). `tpu`: the kernel's TPU (Mosaic) block layout. Interpret mode and the
+    block sizes as the run's Lowering says (for the devices it runs on: a TPU topology's in a
+    dry-run, not this host's)."""
+    interpret, blocks = lowering().interpret, BlockSizes(**dict(lowering().flash_blocks))
     if segment_ids_BT is None:
         kernel = functools.partial(
             flash_attention, causal=causal, tpu=tpu, interpret=interpret, block_sizes=blocks
@@ -270,7 +253,7 @@ ATTENTION_IMPLS = {
     "chunked": chunked_attention,
     "pallas": pallas_attention,
     # The same kernel in the block layout Mosaic (TPU) lowers; `pallas` and `auto` resolve to it on
-    # TPU. It runs in interpret mode on CPU like the other (the tests).
+    # TPU. It runs in interpret mode where the Lowering says (CPU: the tests), like the other.
     "pallas_tpu": functools.partial(pallas_attention, tpu=True),
 }
 
@@ -278,7 +261,7 @@ ATTENTION_IMPLS = {
 # What each implementation runs on one device's whole sequence (inside context parallelism's
 # shard_map, where the Pallas kernel is called directly).
 def _local_flash(q_BTNH, k_BSKH, v_BSKH, tpu=False, **kw):
-    return flash_attention(q_BTNH, k_BSKH, v_BSKH, tpu=tpu, interpret=target_platform() == "cpu", **kw)
+    return flash_attention(q_BTNH, k_BSKH, v_BSKH, tpu=tpu, interpret=lowering().interpret, **kw)
 
 
 LOCAL_IMPLS = {

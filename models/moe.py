@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.core.family import Aux
-from spmd.core.logical import active, constrain, provided, target_platform
+from spmd.core.logical import active, constrain, lowering, provided
 from spmd.models.layers import MLP, param, swiglu
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -250,14 +250,15 @@ def dropless_reference(x_TD, experts_Tk, weights_Tk, w_gate_EDF, w_up_EDF, w_dow
     return jnp.zeros((T, D), y_MD.dtype).at[token_M].add(y_MD * w_M[:, None])
 
 
-# Rows per tile of the CPU grouped matmul below: each expert's group is padded to whole tiles.
+# Rows per tile of the tiled grouped matmul below: each expert's group is padded to whole tiles.
 GROUP_TILE = 128
 
 
 def grouped_swiglu(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
     """Each expert's SwiGLU on its rows of x, which are sorted by expert (group e: the next
-    sizes_E[e] rows; rows past the groups give 0): ragged_dot's grouped matmuls, except on CPU."""
-    if target_platform() == "cpu":
+    sizes_E[e] rows; rows past the groups give 0): ragged_dot's grouped matmuls, or tiles of one
+    expert's rows where the run's Lowering says (XLA:CPU lowers ragged_dot densely)."""
+    if lowering().grouped_matmul == "tiles":
         return _swiglu_in_tiles(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
     h_MF = swiglu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E), jax.lax.ragged_dot(x_MD, w_up_EDF, sizes_E))
     return jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)

@@ -143,7 +143,7 @@ def test_xla_causal_query_blocks_match_reference(groups, segments, T):
 
 
 def test_cpu_attention_backward_matches_autodiff():
-    """spmd.models.attention.softmax_attention_cpu (the merged layout's attention on CPU, with its own
+    """spmd.models.attention.softmax_attention_few_passes (the merged layout's attention on CPU, with its own
     backward): forward bit-identical to the plain form; in fp32 its gradients equal autodiff's to
     rounding; in bf16 their error against an fp32 computation stays at bf16 rounding (ds is rounded
     to bf16 before its dots, as flash attention does). Compiled as train steps are on CPU (dots in
@@ -155,7 +155,7 @@ def test_cpu_attention_backward_matches_autodiff():
     q32, k32, v32 = (jnp.asarray(rng.normal(size=(b, n, H)), jnp.float32) for n in (Q, S, S))
     mask = jnp.asarray(rng.random((1, Q, S)) < 0.7).at[:, :, 0].set(True)
     w_o = jnp.asarray(rng.normal(size=(b, Q, H)), jnp.float32)
-    ours = attention.softmax_attention_cpu
+    ours = attention.softmax_attention_few_passes
 
     def plain(*args):
         return attention._softmax_attention(*args)[0]
@@ -306,10 +306,13 @@ def test_auto_on_a_gpu_runs_what_was_measured_fastest_there(monkeypatch, tmp_pat
     path.write_text(tuning.to_toml([tuned]))
     assert tuning.entries(path) == (tuned,)
     monkeypatch.setattr(tuning, "entries", lambda: (tuned,))
-    from spmd.models.attention import tuned_blocks
-
-    assert tuned_blocks(jnp.zeros((1, 48, 2, 16))) == BlockSizes(block_q=16, num_warps=4)
-    assert tuned_blocks(jnp.zeros((1, 48, 2, 32))) == BlockSizes()
+    # The run's policy reads them once; the model's kernel takes them from the active Lowering.
+    assert policy.flash_blocks("float32", "cpu", 16, 48) == (("block_q", 16), ("num_warps", 4))
+    assert policy.flash_blocks("float32", "cpu", 32, 48) == ()
+    cfg = load_config("tiny", ["model.dtype=float32", "model.attention_impl=pallas", "train.seq_len=48"])
+    lowering = policy.resolve(cfg, "cpu", "cpu").lowering
+    assert BlockSizes(**dict(lowering.flash_blocks)) == BlockSizes(block_q=16, num_warps=4)
+    assert lowering.to_json()["flash_blocks"] == {"block_q": 16, "num_warps": 4}
 
 
 def test_selection():

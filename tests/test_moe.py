@@ -15,6 +15,7 @@ from flax import nnx
 from spmd.analysis import aot, hlo
 from spmd.assembly.config import load_config
 from spmd.assembly.setup import assemble
+from spmd.core import logical
 from spmd.models.llama import Llama, count_params
 from spmd.models.moe import GROUP_TILE, MoE, dispatch_masks, grouped_swiglu, route
 
@@ -239,3 +240,29 @@ def test_grouped_swiglu_in_tiles_equals_ragged_dot(sizes):
 
     tiles = -(-M // GROUP_TILE) + E
     assert flops(tiled) == 3 * 2 * tiles * GROUP_TILE * D * F < flops(ragged) == 3 * 2 * M * E * D * F
+
+
+def test_the_grouped_matmul_form_is_the_runs_lowering_not_the_hosts():
+    """The model asks the active Lowering (spmd.assembly.policy decides it once per run), never the
+    platform: on this CPU host, a run for GPU devices traces ragged_dot; outside a run the form is
+    the one for JAX's default devices (tiles here)."""
+    M, D, F, E = 256, 8, 16, 4
+    x = jnp.ones((M, D), jnp.float32)
+    ws = [jnp.ones(shape, jnp.float32) for shape in ((E, D, F), (E, D, F), (E, F, D))]
+    sizes_E = jnp.asarray([64] * E, jnp.int32)
+
+    def flops(lowering=None):
+        def f(x, *ws):
+            if lowering is None:
+                return grouped_swiglu(x, sizes_E, *ws)
+            with logical.lowered(lowering):
+                return grouped_swiglu(x, sizes_E, *ws)
+
+        return hlo.matmul_flops(jax.jit(f).lower(x, *ws).compile().as_text())
+
+    tiles = 3 * 2 * (-(-M // GROUP_TILE) + E) * GROUP_TILE * D * F
+    assert flops() == flops(logical.Lowering.for_platform("cpu")) == tiles
+    assert flops(logical.Lowering.for_platform("gpu")) == 3 * 2 * M * E * D * F  # ragged_dot, densely here
+    cpu, tpu = logical.Lowering.for_platform("cpu"), logical.Lowering.for_platform("tpu")
+    assert (cpu.grouped_matmul, cpu.interpret, cpu.merge_batch_heads) == ("tiles", True, True)
+    assert (tpu.grouped_matmul, tpu.interpret, tpu.merge_batch_heads) == ("ragged_dot", False, False)

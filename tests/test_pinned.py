@@ -39,7 +39,7 @@ ONE_DEVICE["AuthenticAMD"] = [
 ]
 PINNED = {
     # Re-recorded once (2026-12-01): the CPU attention's own backward
-    # (spmd.models.attention.softmax_attention_cpu) sums in another order; step 8 moved by 1 ulp
+    # (spmd.models.attention.softmax_attention_few_passes) sums in another order; step 8 moved by 1 ulp
     # (5.179219722747803 before). The one-device trajectory did not move.
     "fsdp=2,tensor=2": [
         5.609000205993652,

@@ -14,6 +14,10 @@ run is assembled (spmd.assembly.setup) into concrete values that the config, the
 - How a pure data-parallel step sums its gradients (`cpu.grad_reduce`, spmd/parallel/dataparallel.py).
 - The KV cache layout for decoding: one array per layer on CPU (spmd.models.decoder.KVCache).
 - The loss: the cross-entropy without a float32 copy of the logits (spmd.training.loss) on GPU and TPU.
+- How the model's platform-dependent pieces lower (spmd.core.logical.Lowering, active while the
+  model traces): attention's batch/head merging and its backward on CPU, Pallas interpret mode,
+  the flash kernel's block sizes measured on the device kind (kernels/tuned.toml), the MoE
+  experts' grouped matmul form.
 
 The platform is the mesh's: compile-only TPU devices in a dry-run, whatever this host is.
 """
@@ -23,6 +27,7 @@ import dataclasses
 import jax
 
 from spmd.core.errors import UserError
+from spmd.core.logical import Lowering
 from spmd.kernels import tuning
 from spmd.parallel.dataparallel import GRAD_REDUCE
 from spmd.platform.cpu_matmul import CPU_MATMUL
@@ -154,6 +159,7 @@ class Choices:
     train_options: dict | None
     kv_cache_per_layer: bool
     attention_reason: str = ""  # why `auto` chose `attention` (for the log)
+    lowering: Lowering = Lowering()  # how the model's platform-dependent pieces lower
     # the cross-entropy without a float32 copy of the logits (spmd.training.loss): on accelerators, where
     # the logits' memory and passes count; CPU runs keep optax's (their pinned trajectories)
     fused_loss: bool = False
@@ -186,6 +192,7 @@ class Choices:
             "grad_reduce": self.grad_reduce,
             "kv_cache_per_layer": self.kv_cache_per_layer,
             "fused_loss": self.fused_loss,
+            "lowering": self.lowering.to_json(),
         }
 
 
@@ -208,4 +215,12 @@ def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
         train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
         kv_cache_per_layer=cpu,
         fused_loss=not cpu,
+        lowering=Lowering.for_platform(platform, flash_blocks(*shape[2:5], cfg.train.seq_len)),
     )
+
+
+def flash_blocks(dtype: str, device_kind: str, head_dim: int, seq_len: int) -> tuple:
+    """The flash kernel's block sizes measured best on `device_kind` for the nearest shape
+    (spmd.kernels.tuning), as (field, value) pairs; () where nothing was measured (its defaults)."""
+    measured = tuning.lookup(device_kind, dtype, head_dim, seq_len)
+    return tuple(sorted(measured.blocks.items())) if measured is not None and measured.blocks else ()

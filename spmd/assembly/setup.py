@@ -179,6 +179,7 @@ def assemble(
         1 if decoding else cfg.train.seq_len,  # decoding feeds one position per step
         cfg.train.microbatches,
         cfg.pipeline,
+        lowering=choices.lowering,
     )
     for t in transforms:
         t.check(plan)

@@ -9,6 +9,10 @@ outside that, `constrain` is a no-op, so the model runs unchanged on one device,
 `ops` is how parallel code that must see the mesh (context-parallel attention, the dropless MoE's
 all-to-all) reaches the model without the model importing it: the model asks `provided(name)` for
 an implementation only when `is_split(...)` says the active rules need one.
+
+`Lowering` is how the model's platform-dependent pieces lower, decided once for a run's devices
+(spmd.assembly.policy) and active while the model traces (`lowered`); models read `lowering()`
+and never ask which platform they run on.
 """
 
 import contextlib
@@ -19,12 +23,74 @@ from collections.abc import Callable, Mapping
 import jax
 from jax.sharding import NamedSharding
 
-from spmd.core.mesh import axes_size, platform_of
+from spmd.core.mesh import axes_size
 
 # Logical axes of activations that both the model and the parallel implementations name.
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")  # queries and attention outputs, BTNH
 KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")  # keys and values, BSKH
 TOKEN_AXES = ("batch", "seq")  # token ids, positions, segment ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """The platform-dependent forms of the model's computation (module doc)."""
+
+    # attention dots with (B, K) laid end to end as one batch axis: the form XLA:CPU runs fastest;
+    # elsewhere B and K stay two batch axes, so that data and tensor splits survive GSPMD
+    merge_batch_heads: bool = False
+    # softmax attention's backward: "autodiff", or "few_passes" (written for XLA:CPU: as few passes
+    # over the scores as the math needs)
+    attention_vjp: str = "autodiff"
+    interpret: bool = False  # Pallas kernels in interpret mode (the only way they run on CPU)
+    # the flash kernel's block sizes (kernels.flash_attention.BlockSizes fields, as (name, value)
+    # pairs) measured best on the devices (kernels/tuned.toml); () its defaults
+    flash_blocks: tuple = ()
+    # the MoE experts' grouped matmuls: "ragged_dot", or "tiles" of one expert's rows (XLA:CPU
+    # lowers ragged_dot densely: every row times every expert)
+    grouped_matmul: str = "ragged_dot"
+
+    @classmethod
+    def for_platform(cls, platform: str, flash_blocks: tuple = ()) -> "Lowering":
+        cpu = platform == "cpu"
+        return cls(
+            merge_batch_heads=cpu,
+            attention_vjp="few_passes" if cpu else "autodiff",
+            interpret=cpu,
+            flash_blocks=flash_blocks,
+            grouped_matmul="tiles" if cpu else "ragged_dot",
+        )
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "flash_blocks": dict(self.flash_blocks)}
+
+    def describe(self) -> str:
+        """For the log, e.g. "attention batch x heads merged, softmax backward few_passes, ..."."""
+        blocks = ", ".join(f"{k} {v}" for k, v in self.flash_blocks) or "defaults"
+        return (
+            f"attention batch x heads {'merged' if self.merge_batch_heads else 'apart'}, softmax backward "
+            f"{self.attention_vjp}, Pallas {'interpreted' if self.interpret else 'compiled'} (flash blocks "
+            f"{blocks}), MoE experts as {self.grouped_matmul}"
+        )
+
+
+_LOWERING = contextvars.ContextVar("spmd_lowering", default=None)
+
+
+@contextlib.contextmanager
+def lowered(lowering: Lowering):
+    """Context in which a traced model lowers as `lowering` says."""
+    token = _LOWERING.set(lowering)
+    try:
+        yield
+    finally:
+        _LOWERING.reset(token)
+
+
+def lowering() -> Lowering:
+    """The active Lowering; outside a run (a model traced by hand: tests, notebooks) the one for
+    JAX's default devices."""
+    current = _LOWERING.get()
+    return current if current is not None else Lowering.for_platform(jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,27 +165,6 @@ def can_merge(logical: tuple[str, ...]) -> bool:
     """Whether adjacent dimensions with these logical names can be flattened into one without
     moving data: true unless a dimension after the first is split over devices."""
     return not any(is_split(name) for name in logical[1:])
-
-
-def per_device_program() -> bool:
-    """Whether the traced program is each device's whole computation: no rules active (one device,
-    tests, inside a shard_map) or a mesh of one device. Rewrites that reshape activations freely
-    (XLA:CPU matmul layouts) are safe only then: under GSPMD they could move data between devices."""
-    current = _ACTIVE.get()
-    return current is None or current.mesh.size == 1
-
-
-def target_device_kind() -> str:
-    """The kind of the devices the traced program is for (`jax.Device.device_kind`)."""
-    current = _ACTIVE.get()
-    return (current.mesh.devices.flat[0] if current is not None else jax.devices()[0]).device_kind
-
-
-def target_platform() -> str:
-    """The platform of the devices the traced program is for: the active mesh's (compile-only TPU
-    devices in a dry-run), else JAX's default devices'."""
-    current = _ACTIVE.get()
-    return platform_of(current.mesh) if current is not None else jax.devices()[0].platform
 
 
 def per_shard(fn, in_logical, out_logical):

@@ -19,9 +19,9 @@ import functools
 import jax
 import numpy as np
 
-from spmd.core.logical import KV_AXES, Q_AXES, TOKEN_AXES, split_axes, split_size
+from spmd.core.logical import KV_AXES, Q_AXES, TOKEN_AXES, lowering, split_axes, split_size
 from spmd.core.logical import active as active_sharding
-from spmd.core.mesh import axes_size, format_axes, platform_of
+from spmd.core.mesh import axes_size, format_axes
 from spmd.core.rules import CONTEXT_PARALLEL
 from spmd.kernels import ring_attention as ring
 from spmd.kernels.chunked_attention import traced_zero
@@ -118,7 +118,7 @@ def context_attention(
                 causal=causal,
                 sub_chunks=ring.sub_chunks(layout(rules)),
                 **(
-                    {"tpu": kernel == "pallas_tpu", "interpret": platform_of(mesh) == "cpu"}
+                    {"tpu": kernel == "pallas_tpu", "interpret": lowering().interpret}
                     if blocks is ring.ring_flash_attention
                     else {}
                 ),

@@ -5,6 +5,7 @@ rngs=...)` whose parameters carry logical axes (`out_sharding` metadata), with t
 constrains listed by the family; this module never names a particular model.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -16,19 +17,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.core import rules as rules_lib
 from spmd.core.errors import UserError
-from spmd.core.logical import TOKEN_AXES, activation_sharding
-from spmd.core.mesh import axes_size, format_axes, format_mesh, spec_axes
+from spmd.core.logical import TOKEN_AXES, Lowering, activation_sharding, lowered
+from spmd.core.mesh import axes_size, format_axes, format_mesh, platform_of, spec_axes
 from spmd.parallel import context, expert_parallel, pipeline
 
 # The parallel implementations handed to models through the seam (spmd.core.logical.provided).
 PARALLEL_OPS = {"context_attention": context.context_attention, "dropless_moe": expert_parallel.dropless}
 
 
-def activate(rules, mesh, schedule: pipeline.Schedule | None = None):
-    """Context in which a model traced constrains its activations by `rules` on `mesh` and finds
-    the parallel implementations it may need (the pipeline's when there is a `schedule`)."""
+@contextlib.contextmanager
+def activate(rules, mesh, schedule: pipeline.Schedule | None = None, lowering: Lowering | None = None):
+    """Context in which a model traced constrains its activations by `rules` on `mesh`, finds the
+    parallel implementations it may need (the pipeline's when there is a `schedule`) and lowers as
+    `lowering` says (default: the form for the mesh's platform)."""
     ops = PARALLEL_OPS if schedule is None else {**PARALLEL_OPS, "pipeline": pipeline.provider(schedule)}
-    return activation_sharding(rules, mesh, ops)
+    with activation_sharding(rules, mesh, ops), lowered(lowering or Lowering.for_platform(platform_of(mesh))):
+        yield
 
 
 # Share of parameter bytes that may stay replicated on a multi-device mesh before we warn.
@@ -92,6 +96,8 @@ class ShardingPlan:
     # of their layer groups is not the canonical one (circular pipeline), that order.
     layered: dict = dataclasses.field(default_factory=dict)
     layer_order: np.ndarray | None = None
+    # how the model's platform-dependent pieces lower (spmd.assembly.policy decides; spmd.core.logical)
+    lowering: Lowering | None = None
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -123,8 +129,13 @@ class ShardingPlan:
         )
 
     def activate(self):
-        """Context for tracing the model under this plan's rules and mesh (see `activate`)."""
-        return activate(self.rules, self.mesh, self.schedule)
+        """Context for tracing the model under this plan's rules, mesh and lowering (see `activate`)."""
+        return activate(self.rules, self.mesh, self.schedule, self.lowering)
+
+    def lowered(self):
+        """Context for tracing the model per device (inside a shard_map: no activation rules) as
+        this plan's lowering says."""
+        return lowered(self.lowering or Lowering.for_platform(platform_of(self.mesh)))
 
     def init_params(self, seed: int):
         """Real parameters (pure dict) of this plan's model, in stored layer order; call under jit
@@ -179,6 +190,7 @@ def plan(
     seq_len: int,
     microbatches: int = 1,
     pipeline_cfg=None,
+    lowering: Lowering | None = None,
 ) -> ShardingPlan:
     """Validate the rules against the model (of `family`, spmd.core.family) and mesh, and resolve every
     sharding. `pipeline_cfg` (spmd.parallel.pipeline.PipelineConfig) is the schedule when the rules split
@@ -255,6 +267,7 @@ def plan(
         schedule=schedule,
         layered=layered,
         layer_order=pipeline.layer_order(groups, schedule),
+        lowering=lowering,
     )
 
 

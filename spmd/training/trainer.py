@@ -322,7 +322,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
         grads_and_sums = accumulated(value_and_grad, tcfg.microbatches, micro_sharding, flat_axes)
         if flat_axes:
             summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
-            grads, sums = summed(state["params"], batch)
+            with plan.lowered():
+                grads, sums = summed(state["params"], batch)
         else:
             key = (
                 jax.random.fold_in(jax.random.key(tcfg.seed), state["step"]) if partition.needs_key else None
