@@ -87,9 +87,10 @@ ERROR_CASES = {
         ["--mesh", "stage=2,fsdp=4", "--rules", "fsdp"],
         "the mesh has stage=2 but rules 'fsdp' do not map the logical axis `layers` to it",
     ),
-    "unknown context_parallel": (
-        ["--set", "attention.context_parallel=ulyses"],
-        "attention.context_parallel must be one of ring, ulysses, allgather",
+    "context_parallel is a rules key": (
+        ["--set", "attention.context_parallel=ulysses"],
+        "config key 'attention.context_parallel' (in --set) is a key of the sharding rules now: write "
+        "context_parallel = 'ulysses' in a rules file",
     ),
 }
 

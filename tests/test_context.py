@@ -1,6 +1,7 @@
 """Context and sequence parallelism: ring, Ulysses and all-gather attention against one device
 (forward and gradients), load balance, the collectives each mode compiles to, Megatron SP, errors."""
 
+import dataclasses
 import itertools
 import re
 
@@ -11,7 +12,6 @@ import pytest
 from test_dryrun import report
 
 from spmd.analysis import hlo
-from spmd.assembly.config import AttentionConfig
 from spmd.core.mesh import build_mesh
 from spmd.core.rules import load_rules
 from spmd.kernels import ring_attention as ring
@@ -33,7 +33,7 @@ def sharded_attention(mode, n, devices, causal, seg, layout=None):
     mesh = build_mesh(f"context={n}", devices=devices[:n])
     rules = load_rules(MODES[mode])
     if layout:
-        rules = rules.with_attention(AttentionConfig(load_balance=layout))
+        rules = dataclasses.replace(rules, load_balance=layout)
 
     def f(q, k, v):
         T = q.shape[1]
@@ -225,7 +225,7 @@ def test_sequence_parallel_gathers_and_scatters_activations(devices):
     assert not any(all("dynamic-slice" in u for u in users) for users in tp_reduces.values())
 
 
-def test_errors_name_the_problem(devices):
+def test_errors_name_the_problem(devices, tmp_path):
     from spmd.assembly.config import load_config
     from spmd.assembly.setup import assemble
     from spmd.core.errors import UserError
@@ -238,5 +238,8 @@ def test_errors_name_the_problem(devices):
         assemble("tiny", "data=2,context=4", "cp_ulysses")
     with pytest.raises(UserError, match=r"train.seq_len \(40\) must divide by 16"):
         assemble("tiny", "context=8", "cp_ring", overrides=["train.seq_len=40"])
-    with pytest.raises(UserError, match="attention.context_parallel must be one of ring, ulysses, allgather"):
+    with pytest.raises(UserError, match="'attention.context_parallel' .* is a key of the sharding rules now"):
         load_config("tiny", ["attention.context_parallel=rings"])
+    with pytest.raises(UserError, match="context_parallel must be one of ring, ulysses, allgather"):
+        (tmp_path / "rings.toml").write_text('extends = "cp_ring"\ncontext_parallel = "rings"\n')
+        load_rules(str(tmp_path / "rings.toml"))

@@ -179,3 +179,34 @@ def test_a_replicating_reshard_becomes_a_report_line_naming_the_rules():
     assert note.startswith("the partitioner replicates a f32[4,64,64] tensor to move it from {mesh[")
     assert "embed -> fsdp" in note and "batch -> data/fsdp" in note and "heads -> tensor" not in note
     assert partitioner_replications("", load_rules("fsdp_tp"), sizes) == []
+
+
+def test_the_strategies_each_own_a_share_and_a_new_one_is_a_module(devices, tmp_path, monkeypatch):
+    """The analytic minimum is the sum of every strategy's share (one module of spmd.parallel each)
+    and --explain tries their attributions in priority order: a new strategy is one module there,
+    found without an edit to the dry-run or the explanation."""
+    import spmd.parallel
+    from spmd.parallel import strategy
+
+    names = [s.name for s in strategy.strategies()]
+    assert names == ["fsdp", "data", "tensor", "expert", "context", "stage"]
+    priorities = [a.priority for s in strategy.strategies() for a in s.attributions]
+    assert len(priorities) == len(set(priorities))
+    r = report("data=4,tensor=2", "tp")
+    assert list(r["analytic_minimum_bytes"]) == names and r["analytic_minimum_bytes"]["tensor"] > 0
+
+    (tmp_path / "spmd_test_strategy.py").write_text(
+        "from spmd.parallel.strategy import Attribution, Strategy\n"
+        "STRATEGY = Strategy(name='made_up', rank=99, minimum=lambda step: 1000.0 * step.B,\n"
+        "    attributions=(Attribution(1, 'collective', lambda c, seen: ('made_up -> ' + ','.join(seen.axes), 'all of it')),))\n"
+    )
+    monkeypatch.setattr(spmd.parallel, "__path__", [*spmd.parallel.__path__, str(tmp_path)])
+    strategy.strategies.cache_clear()
+    try:
+        r = aot.dry_run(assemble("tiny", "data=4,tensor=2", "tp"), explain=True)
+    finally:
+        strategy.strategies.cache_clear()
+    assert r["analytic_minimum_bytes"]["made_up"] == 1000.0 * 2  # 8 sequences over data=4
+    # tried among the "collective" scope (after the weights and gradients), first by its priority
+    assert "all of it" in {row["what"] for row in r["explain"]["rules"]} and not r["explain"]["unexplained"]
+    assert "partial sums of a layer's matmuls over a split dimension" not in {row["what"] for row in r["explain"]["rules"]}

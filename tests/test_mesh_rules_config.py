@@ -2,7 +2,7 @@
 
 import pytest
 
-from spmd.assembly.config import AttentionConfig, load_config
+from spmd.assembly.config import load_config
 from spmd.core.errors import UserError
 from spmd.core.mesh import MESH_AXES, build_mesh, parse_mesh
 from spmd.core.rules import load_rules, presets, rules_table, validate
@@ -97,8 +97,14 @@ def test_a_rules_file_extends_a_preset_and_lists_only_what_differs(tmp_path):
     assert mine.sources["heads"] == "tp" and mine.sources["batch"] == "base"
     assert child.mapping == mine.mapping and child.context_parallel == "ulysses"
     assert child.description == "mine"  # inherited, like every key the file leaves out
-    table = rules_table(child.with_attention(AttentionConfig(load_balance="striped")))
-    assert "vocab" in table and str(base) in table and "config [attention]" in table
+    (tmp_path / "striped.toml").write_text('extends = "child.toml"\nload_balance = "striped"\n')
+    table = rules_table(load_rules(str(tmp_path / "striped.toml")))
+    assert (
+        "vocab" in table
+        and str(base) in table
+        and "striped" in table
+        and str(tmp_path / "striped.toml") in table
+    )
 
 
 def test_extends_errors(tmp_path):
@@ -186,3 +192,17 @@ def test_a_config_saved_by_the_older_layout_reads_with_its_keys_moved():
     assert config_from_json(cfg.to_json()) == cfg  # and the new layout reads back as itself
     with pytest.raises(UserError, match="has moved: it is 'optimizer.learning_rate' now"):
         load_config("tiny", ["train.learning_rate=1e-3"])
+
+
+def test_the_context_parallel_keys_live_in_the_rules_and_old_configs_still_read(tmp_path):
+    """[attention] left the config for the rules file: a config file or --set that names its keys
+    gets an error naming the new spelling; a config saved with the table (checkpoints,
+    config.json) reads as before, the table dropped (the saved run records its resolved rules)."""
+    from spmd.assembly.config import config_from_json
+
+    (tmp_path / "old.toml").write_text('[attention]\nload_balance = "striped"\n')
+    with pytest.raises(UserError, match=r"load_balance = 'striped' in a rules file .*cp_ring"):
+        load_config(str(tmp_path / "old.toml"))
+    saved = load_config("tiny").to_json()
+    old = config_from_json({**saved, "attention": {"context_parallel": "ulysses", "load_balance": ""}})
+    assert old == config_from_json(saved) and "attention" not in saved

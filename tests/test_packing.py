@@ -3,6 +3,8 @@ compute run one by one (summed loss and gradients), with every attention impleme
 context-parallel mode; the packed windows mark documents correctly and are a pure function of the
 index."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 
 from spmd.assembly.config import apply_overrides
 from spmd.assembly.setup import assemble
+from spmd.core.rules import load_rules
 from spmd.data.loader import PACKED_FIELDS, PackedWindowSource
 from spmd.parallel import context
 from spmd.training.trainer import token_losses
@@ -134,8 +137,9 @@ def test_packed_batch_equals_its_documents_one_by_one(separate, devices, impl):
 def test_packed_batch_under_context_parallelism_equals_its_documents(separate, devices, rules, mesh, layout):
     n = int(np.prod([int(part.split("=")[1]) for part in mesh.split(",")]))
     layout, _, impl = layout.partition(":")
-    overrides = [f"attention.load_balance={layout}"] if layout else []
-    overrides += [f"model.attention_impl={impl}"] if impl else []
+    overrides = [f"model.attention_impl={impl}"] if impl else []
+    if layout:  # the rules' context-parallel key
+        rules = dataclasses.replace(load_rules(rules), load_balance=layout)
     _check(separate, mesh, rules, overrides, devices[:n])
 
 

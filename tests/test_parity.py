@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import run_training
 
-from spmd.assembly.config import AttentionConfig
+from spmd.core.rules import load_rules
 
 LAYOUTS = [
     ("dp", "data=8"),
@@ -40,8 +40,8 @@ def test_matches_single_device(tiny_cfg, single_device_run, devices, rules, mesh
     rules, _, variant = rules.partition(":")
     layout, _, impl = variant.partition(":")
     cfg = tiny_cfg
-    if layout:
-        cfg = dataclasses.replace(cfg, attention=AttentionConfig(load_balance=layout))
+    if layout:  # the rules' context-parallel key
+        rules = dataclasses.replace(load_rules(rules), load_balance=layout)
     if impl:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
     losses, params, trainer = run_training(cfg, mesh, rules, 10)

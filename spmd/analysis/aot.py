@@ -18,10 +18,10 @@ import time
 import warnings
 
 import jax
-import numpy as np
 
 from spmd.core.errors import UserError, stderr_captured
-from spmd.core.mesh import MESH_AXES, axes_size, format_mesh, platform_of, spec_axes
+from spmd.core.mesh import MESH_AXES, axes_size, format_mesh, platform_of
+from spmd.parallel import strategy
 
 
 def ring_volume(kind: str, result_bytes: int, group: int) -> float:
@@ -39,144 +39,9 @@ def ring_volume(kind: str, result_bytes: int, group: int) -> float:
 
 
 def analytic_minimum(cfg, plan) -> dict[str, float]:
-    """Lower bound on bytes each device sends per step, by parallelism (see module doc):
-    FSDP gathers every parameter forward and again backward and reduce-scatters its gradient, in
-    the dtype the model uses it in (the compute dtype for the weights it casts:
-    ParamInfo.compute_cast; on TPU a float32 matmul at default precision reads its operands as
-    bfloat16, and they are gathered as such), except an untied embedding table where moving the
-    looked-up rows is less; a sharded weight update reduce-scatters the gradient and gathers the parameter; data
-    parallelism (and context parallelism, whose devices see different tokens too) all-reduces the
-    gradient of what it replicates; tensor parallelism all-reduces the (B, T, D) activations twice
-    per layer forward and twice backward (once more under full remat; an MoE layer's MLP sums
-    its dispatched tokens instead, recomputed under remat); expert parallelism moves dispatched
-    tokens by all-to-all (forward, backward, and again under remat); context parallelism moves
-    keys and values (spmd/parallel/context.py's three modes); a vocabulary split over a non-batch axis sums
-    the embedding lookup forward and the logits' input gradient backward; pipeline parallelism
-    sends each microbatch's (b, T, D) activations to the next stage once per repeat, forward, and
-    their gradients back."""
-    sizes = dict(plan.mesh.shape)
-    batch_axes = plan.rules.mapping.get("batch", ())
-    expert_axes = plan.rules.mapping.get("expert", ())
-    seq_axes = tuple(
-        a for a in plan.rules.mapping.get("seq", ()) if a not in batch_axes and sizes.get(a, 1) > 1
-    )
-    grad_axes = batch_axes + seq_axes
-    # Pipeline stages hold different layers: a parameter split over them is never gathered.
-    stage_axes = plan.schedule.axes if plan.schedule is not None else ()
-    m = cfg.model  # the settings every family has: dtype, remat
-    fig = plan.family.figures(m, cfg.train.seq_len)
-    # Each layer's gathered weights are freed after its forward and gathered again for its
-    # backward (there, once for recomputation and gradients both): keeping them instead would hold
-    # every layer's unsharded weights from forward to backward, the memory FSDP exists to save.
-    # That is ZeRO-3 and FSDP's default (torch's reshard_after_forward); the layers' scan reads the
-    # sharded weights in both loops, so the compiler gathers twice with or without remat.
-    gathers = 2
-    # Tokens on one device as the layers see them, and the layers it runs: under a pipeline, the
-    # rows of its stage (the stage axes do not split them there) through n_layers / S layers.
-    dp = axes_size(sizes, [a for a in batch_axes if a not in stage_axes])
-    n_ctx = axes_size(sizes, seq_axes)
-    B, T = cfg.train.global_batch_size // dp, cfg.train.seq_len // n_ctx
-    itemsize = np.dtype(m.dtype).itemsize  # activations and cast weights travel in the compute dtype
-    # The bytes a matmul reads one weight element as: on TPU, default precision rounds float32
-    # operands to bfloat16 (one pass), and the compiler gathers them rounded (seen in its HLO).
-    platform = platform_of(plan.mesh)
-    read_itemsize = min(itemsize, 2) if platform == "tpu" else itemsize
-    # An MoE layer's (B, E, C, D) dispatched tokens (capacity path; the
-    # dropless path's padded buffers are larger, spmd/parallel/expert_parallel.py).
-    dispatched = math.prod(fig.dispatched_shape(B)) * itemsize if fig.n_experts else 0
-    out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0, "expert": 0.0, "context": 0.0, "stage": 0.0}
-    for p in plan.params:
-        axes = [a for e in p.spec for a in spec_axes(e)]
-        shard = axes_size(sizes, axes)
-        # Sharded over a batch axis: FSDP, gathered for compute. Experts split over an axis that
-        # also carries the batch are never gathered (expert parallelism moves tokens instead).
-        f = axes_size(sizes, [a for a in axes if a in batch_axes and a not in expert_axes + stage_axes])
-        # What one device holds after the FSDP gather, in the dtype the model uses it in: a
-        # weight cast to the compute dtype is gathered cast (a bf16 model gathers bf16), and its
-        # gradient leaves the matmuls, and is reduced, in that dtype too (the cast's transpose
-        # comes after the reduction); norm scales and the embedding table are used as stored.
-        used = min(1.0, itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
-        read = min(1.0, read_itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
-        gathered = used * p.bytes_total / (shard / f)
-        if f > 1:  # the weights gathered (forward, again in the backward), the gradient reduce-scattered
-            cost = (gathers * read / used + 1) * gathered * (f - 1) / f
-            if p.logical[:1] == ("vocab",) and not fig.tie_embeddings:
-                # The embedding table is only read by the lookup: instead of gathering it, the
-                # devices can send each other the pieces of the rows their tokens need, and the
-                # rows' gradients back; whichever is less.
-                split = [a for a in spec_axes(p.spec[0]) if a in batch_axes] if p.spec else []
-                row = gathered / (p.local_shape[0] * axes_size(sizes, split))
-                cost = min(cost, 2 * B * T * row * (f - 1) / f)
-            out["fsdp"] += cost
-        replicas = axes_size(sizes, [a for a in grad_axes if a not in axes])
-        # A sharded weight update (shard_optimizer_over) over z of those replicas: the gradient
-        # reduce-scattered over them and the updated parameter (parameter dtype) gathered back;
-        # over the others all-reduced, each device's part of it.
-        z = axes_size(sizes, [a for a in grad_axes if a not in axes and a in plan.rules.shard_optimizer_over])
-        grad = gathered / f
-        if z > 1:
-            out["data"] += (grad + p.bytes_per_device) * (z - 1) / z
-            grad, replicas = grad / z, replicas // z
-        if replicas > 1:
-            out["data"] += 2 * grad * (replicas - 1) / replicas
-    act = B * T * fig.d_model * itemsize  # one (B, T, D) activation
-    n_layers = fig.n_layers // (plan.schedule.stages if plan.schedule is not None else 1)
-    t = sizes.get("tensor", 1)
-    if t > 1 and "tensor" in (plan.rules.mapping.get("heads", ()) + plan.rules.mapping.get("mlp", ())):
-        # Activations in the compute dtype: the minimum. (XLA:CPU sends bf16 tensors as fp32, so
-        # its bf16 figures run up to 2x over this; the TPU compiler sends them as they are.)
-        # Two partial sums per layer forward (attention and MLP outputs), two backward. Under full
-        # remat the backward recomputes the forward as far as the residual after attention, which
-        # the MLP's backward reads: one more (the MLP output's is dead there). Under save_dots the
-        # projections' outputs are saved as the program sees them, i.e. already summed.
-        attention = 2 + (1 if m.remat == "full" else 0)
-        # An MoE layer's MLP is its experts: their partial sums are of the dispatched tokens
-        # (B, E, C, D), which the backward also recomputes under any remat (the expert einsums have
-        # a batch dimension, so save_dots does not keep them, and combining reads their output).
-        n_moe = fig.moe_layers * n_layers // fig.n_layers
-        moe = 2 + (1 if m.remat != "none" else 0)
-        sums = n_layers * attention * act + (n_layers - n_moe) * 2 * act + n_moe * moe * dispatched
-        out["tensor"] = 2 * sums * (t - 1) / t
-    # The vocabulary split over an axis that does not carry the batch (Megatron's vocab-parallel
-    # embedding and logits): the lookup's rows are summed over it forward (each device has the rows
-    # of its part of the vocabulary, zeros elsewhere), and the logits' input gradient backward: two
-    # (B, T, D) all-reduces. (The loss's per-token statistics over it, under 1/D of that, are
-    # left out.)
-    for a in plan.rules.mapping.get("vocab", ()):
-        if a not in batch_axes + expert_axes and sizes.get(a, 1) > 1 and a in out:
-            out[a] += 2 * 2 * act * (sizes[a] - 1) / sizes[a]
-    if n_ctx > 1:
-        # Per layer, the local piece's K and V (heads split over tensor where the rules say so).
-        t_heads = t if "tensor" in plan.rules.mapping.get("kv_heads", ()) else 1
-        kv = 2 * B * T * (fig.n_kv_heads // t_heads) * fig.head_dim * itemsize
-        mode = plan.rules.context_parallel
-        if mode == "ring":
-            # Forward: K/V pass n-1 hops. Backward (kernels/ring_attention.py): K/V again n-1 hops,
-            # and their fp32 dK/dV accumulators n hops back home.
-            # The keys' int32 positions travel with them, both ways.
-            per_layer = 2 * (n_ctx - 1) * (kv + B * T * 4) + n_ctx * kv * 4 / itemsize
-        elif mode == "ulysses":
-            # q, k, v to head-sharded and o back, forward; their gradients, backward.
-            qo = 2 * B * T * (fig.n_heads // t_heads) * fig.head_dim * itemsize
-            per_layer = 2 * (qo + kv) * (n_ctx - 1) / n_ctx
-        else:  # allgather: gather K/V (and positions) forward, reduce-scatter their gradients backward
-            per_layer = 2 * (n_ctx - 1) * kv + (n_ctx - 1) * B * T * 4
-        out["context"] = n_layers * per_layer
-    n_ep = axes_size(sizes, expert_axes)
-    if fig.n_experts and n_ep > 1:
-        # Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
-        # and backward: 4 all-to-alls, each sending (n-1)/n of the buffer; under remat the backward
-        # moves them again (the experts' inputs and outputs are not saved: their einsums have a
-        # batch dimension): 6.
-        stages = plan.schedule.stages if plan.schedule is not None else 1
-        moves = 4 + (2 if m.remat != "none" else 0)
-        out["expert"] = moves * fig.moe_layers // stages * dispatched * (n_ep - 1) / n_ep
-    schedule = plan.schedule
-    if schedule is not None:
-        # Every row of the device's batch enters each of its stage's R layer groups once: its
-        # activations sent on once per repeat, forward, and their gradient back.
-        out["stage"] = 2 * schedule.repeats * B * T * fig.d_model * itemsize
-    return out
+    """Lower bound on bytes each device sends per step, by parallelism strategy: the sum over the
+    strategies of spmd.parallel (each module's `minimum`, spmd.parallel.strategy)."""
+    return strategy.analytic_minimum(cfg, plan)
 
 
 def pipeline_report(plan, rows) -> dict | None:

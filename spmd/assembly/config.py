@@ -4,7 +4,7 @@ Each table of a config file belongs to the part of the stack that reads it: `[mo
 family (`model.family`, default llama: spmd.core.family), with its own tables where its config holds
 one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
 (spmd/training/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
-`[attention]` (context parallelism), `[pipeline]` (spmd/parallel/pipeline.py), `[lora]` (low-rank
+`[pipeline]` (spmd/parallel/pipeline.py), `[lora]` (low-rank
 adapters on a frozen base: spmd/transforms/lora.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
 optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
 its new home.
@@ -20,7 +20,6 @@ from spmd.assembly.policy import CpuConfig
 from spmd.core import family as family_lib
 from spmd.core import presets as presets_lib
 from spmd.core.errors import UserError, closest
-from spmd.core.rules import CONTEXT_PARALLEL, LOAD_BALANCE
 from spmd.loop.metrics import MetricsConfig
 from spmd.loop.spikes import ON_SPIKE
 from spmd.parallel.pipeline import PipelineConfig
@@ -187,28 +186,6 @@ class CheckpointConfig:
         return problems
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """How attention runs when the rules shard the sequence (context parallelism); "" keeps what
-    the rules file says (cp_ring: ring + zigzag, cp_ulysses: ulysses, allgather: allgather)."""
-
-    context_parallel: str = ""  # ring | ulysses | allgather
-    load_balance: str = ""  # zigzag | striped | contiguous (ring and allgather; Ulysses needs none)
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.context_parallel not in ("", *CONTEXT_PARALLEL):
-            problems.append(
-                f"attention.context_parallel must be one of {', '.join(CONTEXT_PARALLEL)}, "
-                f"got {self.context_parallel!r}"
-            )
-        if self.load_balance not in ("", *LOAD_BALANCE):
-            problems.append(
-                f"attention.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {self.load_balance!r}"
-            )
-        return problems
-
-
 LORA_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -253,7 +230,6 @@ class Config:
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
-    attention: AttentionConfig = AttentionConfig()
     pipeline: PipelineConfig = PipelineConfig()
     cpu: CpuConfig = CpuConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -273,12 +249,14 @@ SECTIONS = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "optimizer": OptimizerConfig,
-    "attention": AttentionConfig,
     "pipeline": PipelineConfig,
     "cpu": CpuConfig,
     "metrics": MetricsConfig,
     "lora": LoRAConfig,
 }
+# Keys that left the config for the sharding rules (spmd.core.rules): how attention runs when the
+# rules shard the sequence belongs to the layout, so it is a key of the rules file.
+TO_RULES = {"attention.context_parallel": "context_parallel", "attention.load_balance": "load_balance"}
 # Keys that moved to the table that owns them: old key -> its new home. In a config file or --set
 # an old key is an error naming the new one; a config saved by an older version (checkpoints,
 # config.json) is read with its keys moved.
@@ -414,6 +392,12 @@ def _set(tree: dict, key: str, value, source: str, tables: dict[str, type]) -> N
     section, _, leaf = key.partition(".")
     if key in MOVED:
         raise UserError(f"config key {key!r} (in {source}) has moved: it is {MOVED[key]!r} now")
+    if key in TO_RULES:
+        raise UserError(
+            f"config key {key!r} (in {source}) is a key of the sharding rules now: write "
+            f'{TO_RULES[key]} = {str(value)!r} in a rules file (e.g. one that says extends = "cp_ring") '
+            f"and pass it to --rules, or use the preset cp_ring, cp_ulysses or allgather"
+        )
     if key == FAMILY_KEY:
         return  # read first, by _family_of
     every = [f"{s}.{k}" for s, c in tables.items() for k in _keys(c, tables)]
@@ -476,8 +460,9 @@ def keys_table(cfg: Config) -> str:
 
 def _moved(d: dict) -> dict:
     """A saved config's tables with the keys an older version kept elsewhere moved to their
-    homes (MOVED); the MoE keys of a dense model (n_experts 0) dropped."""
-    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    homes (MOVED); the MoE keys of a dense model (n_experts 0) dropped; the [attention] table
+    dropped (its keys now belong to the rules, which the saved run records as they were resolved)."""
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items() if k != "attention"}
     for old, new in MOVED.items():
         (section, leaf), (home, key) = old.split("."), new.split(".")
         if isinstance(d.get(section), dict) and leaf in d[section]:
@@ -513,6 +498,9 @@ def load_config(name_or_path: str, overrides: typing.Sequence[str] = ()) -> Conf
     tables = {**SECTIONS, **model_tables(family)}
     tree: dict[str, dict] = {}
     for section, table in doc.items():
+        for leaf in table if isinstance(table, dict) else ():
+            if f"{section}.{leaf}" in TO_RULES:  # a table that left the config: the error names its new home
+                _set(tree, f"{section}.{leaf}", table[leaf], str(path), tables)
         if section not in tables or not isinstance(table, dict):
             raise UserError(
                 f"unknown section {section!r} in config {str(path)!r}{closest(section, tables)}; "

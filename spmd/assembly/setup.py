@@ -1,5 +1,5 @@
-"""One place assembles a run: config -> mesh -> platform choices (spmd.assembly.policy) -> rules (with the
-config's attention overrides) -> sharding plan -> trainer.
+"""One place assembles a run: config -> mesh -> platform choices (spmd.assembly.policy) -> rules -> sharding
+plan -> trainer.
 
 Every command, script and test builds its run with `assemble`; nothing else chains these steps.
 The variants the commands need are arguments, not copies:
@@ -38,7 +38,7 @@ class Setup:
     requested: Config  # as given (model.attention_impl may be "auto"): what runs record and resume
     mesh: jax.sharding.Mesh
     choices: policy.Choices
-    rules: Rules  # attention overrides (and decoding) applied
+    rules: Rules  # the family's logical names defaulted (and decoding) applied
     plan: sharding_lib.ShardingPlan
     trainer: Trainer | None  # None when assembled with optimizer=False
     # which parameters train and which are frozen (spmd.training.transform: the model transforms)
@@ -156,9 +156,7 @@ def assemble(
             f"train.seq_len ({cfg.train.seq_len}) is longer than the {longest} positions model family "
             f"{family.name} takes (model.max_positions); shorten train.seq_len"
         )
-    resolved = (load_rules(rules, family.logical_axes) if isinstance(rules, str) else rules).with_attention(
-        cfg.attention
-    )
+    resolved = load_rules(rules, family.logical_axes) if isinstance(rules, str) else rules
     resolved = resolved.with_defaults(family.logical_axes)
     if decoding:
         resolved = resolved.for_decoding()

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--print-rules",
         action="store_true",
-        help="print the resolved rules (after extends and [attention] overrides) and the file that set each entry, then exit",
+        help="print the resolved rules (after extends) and the file that set each entry, then exit",
     )
     add("--overwrite", action="store_true", help="replace an existing run directory (its checkpoints too)")
     add(

@@ -97,7 +97,7 @@ def lowering() -> Lowering:
 class Active:
     rules: object  # spmd.core.rules.Rules
     mesh: jax.sharding.Mesh
-    ops: Mapping[str, Callable]  # name -> parallel implementation (spmd.parallel.sharding.PARALLEL_OPS)
+    ops: Mapping[str, Callable]  # name -> parallel implementation (spmd.parallel.strategy.ops)
 
 
 _ACTIVE = contextvars.ContextVar("spmd_activation_sharding", default=None)

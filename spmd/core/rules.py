@@ -66,7 +66,7 @@ class Rules:
     mapping: dict[str, tuple[str, ...]]  # logical name -> mesh axes (empty: replicated)
     replicated_params_ok: bool = False  # e.g. dp: replication is the point, so don't warn
     # How attention sees keys on other devices when `seq` is sharded (spmd/parallel/context.py), and the
-    # sequence layout that balances causal work. Config [attention] keys override both.
+    # sequence layout that balances causal work: the context-parallel strategy's keys.
     context_parallel: str = "ring"  # ring | ulysses | allgather
     load_balance: str = "zigzag"  # zigzag | striped | contiguous
     # Sharded weight update (ZeRO-1/2, Xu et al. 2020): the optimizer state (and so the update) is
@@ -91,18 +91,6 @@ class Rules:
             **{n: f"default of {d or 'replicated'}" for n, d in names.items() if n in extra},
         }
         return dataclasses.replace(self, mapping={**self.mapping, **extra}, sources=sources)
-
-    def with_attention(self, attention_cfg) -> "Rules":
-        """These rules with the config's [attention] overrides applied."""
-        changes = {
-            k: getattr(attention_cfg, k)
-            for k in ("context_parallel", "load_balance")
-            if getattr(attention_cfg, k)
-        }
-        if not changes:
-            return self
-        sources = {**self.sources, **{k: "config [attention]" for k in changes}}
-        return dataclasses.replace(self, **changes, sources=sources)
 
     def for_decoding(self) -> "Rules":
         """These rules for KV-cache decoding, which feeds one position per step: nothing to split along

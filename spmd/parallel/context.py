@@ -25,6 +25,7 @@ from spmd.core.mesh import axes_size, format_axes
 from spmd.core.rules import CONTEXT_PARALLEL
 from spmd.kernels import ring_attention as ring
 from spmd.kernels.chunked_attention import traced_zero
+from spmd.parallel.strategy import Attribution, Strategy, names_on, rule
 
 
 def seq_axes(rules, mesh) -> tuple[tuple[str, ...], int]:
@@ -159,3 +160,51 @@ def context_attention(
         )
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec(Q_AXES), check_vma=False)(*args)
+
+
+# --- the strategy ---------------------------------------------------------------------------------
+
+
+def minimum(step) -> float:
+    """Per layer, what moves the keys and values of the local piece (heads split over tensor where
+    the rules say so), by mode."""
+    n = step.n_ctx
+    if n <= 1:
+        return 0.0
+    fig, rules, B, T, itemsize = step.fig, step.plan.rules, step.B, step.T, step.itemsize
+    t_heads = step.sizes.get("tensor", 1) if "tensor" in rules.mapping.get("kv_heads", ()) else 1
+    kv = 2 * B * T * (fig.n_kv_heads // t_heads) * fig.head_dim * itemsize
+    mode = rules.context_parallel
+    if mode == "ring":
+        # Forward: K/V pass n-1 hops. Backward (kernels/ring_attention.py): K/V again n-1 hops, and
+        # their fp32 dK/dV accumulators n hops back home. The keys' int32 positions travel with
+        # them, both ways.
+        per_layer = 2 * (n - 1) * (kv + B * T * 4) + n * kv * 4 / itemsize
+    elif mode == "ulysses":
+        # q, k, v to head-sharded and o back, forward; their gradients, backward.
+        qo = 2 * B * T * (fig.n_heads // t_heads) * fig.head_dim * itemsize
+        per_layer = 2 * (qo + kv) * (n - 1) / n
+    else:  # allgather: gather K/V (and positions) forward, reduce-scatter their gradients backward
+        per_layer = 2 * (n - 1) * kv + (n - 1) * B * T * 4
+    return step.n_layers * per_layer
+
+
+def ring_passes(c, seen):
+    """Keys and values passed around the ring (ring attention's collective-permutes)."""
+    names = names_on(seen.rules, seen.axes, ("seq",))
+    if "ppermute" in c.op_name and "shard_map" in c.op_name and names:
+        return rule(names, seen.axes), "keys and values passed around the ring"
+    return None
+
+
+STRATEGY = Strategy(
+    name="context",
+    rank=50,
+    axes=("context",),
+    ops={"context_attention": context_attention},
+    check=lambda rules, mesh, figures, seq_len: check(
+        rules, mesh, figures.n_heads, figures.n_kv_heads, seq_len
+    ),
+    minimum=minimum,
+    attributions=(Attribution(220, "collective", ring_passes),),
+)

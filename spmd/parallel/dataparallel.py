@@ -1,4 +1,7 @@
-"""Data-parallel gradients summed as one flat vector (`cpu.grad_reduce`), as DDP's buckets do.
+"""Data parallelism: the batch split over `data` (and every axis that carries it), gradients summed
+over it; its share of the analytic minimum and its collectives (the strategy, below).
+
+Gradients summed as one flat vector (`cpu.grad_reduce`), as DDP's buckets do.
 
 Under GSPMD a data-parallel step sums its gradients in one all-reduce with one operand per
 parameter array. XLA:CPU's gloo collectives reduce the operands one at a time, each at a fixed
@@ -19,7 +22,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from spmd.core.errors import UserError
-from spmd.core.mesh import spec_axes
+from spmd.core.mesh import axes_size, spec_axes
+from spmd.parallel.strategy import (
+    AS_ALL_REDUCE_SCATTER,
+    AS_ALL_REDUCE_UPDATE,
+    Attribution,
+    Strategy,
+    rule,
+)
 
 GRAD_REDUCE = ("auto", "flat", "xla")
 
@@ -96,3 +106,52 @@ def summed_over(fn, mesh, axes: tuple[str, ...], batch_spec: PartitionSpec):
         in_specs=(PartitionSpec(), batch_spec),
         out_specs=PartitionSpec(),
     )
+
+
+# --- the strategy: data parallelism and the sharded weight update --------------------------------
+
+
+def minimum(step) -> float:
+    """Data parallelism (and context parallelism, whose devices see different tokens too)
+    all-reduces the gradient of what it replicates; a sharded weight update (shard_optimizer_over)
+    over z of those replicas reduce-scatters the gradient and gathers the updated parameter
+    (parameter dtype) back, and all-reduces over the others each device's part of it."""
+    total, sizes, rules = 0.0, step.sizes, step.plan.rules
+    for p in step.plan.params:
+        f, _, _, axes = step.weight(p)
+        replicas = axes_size(sizes, [a for a in step.grad_axes if a not in axes])
+        z = axes_size(sizes, [a for a in step.grad_axes if a not in axes and a in rules.shard_optimizer_over])
+        grad = step.gathered(p) / f
+        if z > 1:
+            total += (grad + p.bytes_per_device) * (z - 1) / z
+            grad, replicas = grad / z, replicas // z
+        if replicas > 1:
+            total += 2 * grad * (replicas - 1) / replicas
+    return total
+
+
+def gradients(c, seen, shape, p, dim):
+    """An array shaped like a parameter's shard, reduced over axes that split the batch (or the
+    sequence): its gradient; or gathered under a sharded weight update: the updated parameter."""
+    axes = seen.axes
+    if seen.zero_axes and (c.kind == "all-gather" or c.as_gather):
+        return (
+            f"shard_optimizer_over -> {','.join(axes)}",
+            AS_ALL_REDUCE_UPDATE if c.as_gather else "updated parameters gathered (sharded update)",
+        )
+    if c.kind == "all-reduce" and (dim is not None or seen.zero_axes) and seen.token_names:
+        # The whole gradient summed everywhere, each device then keeping its shard (of the
+        # parameter, or of the optimizer state under a sharded update).
+        return rule(seen.token_names, axes), AS_ALL_REDUCE_SCATTER
+    if c.kind in ("all-reduce", "reduce-scatter") and seen.token_names:
+        return rule(seen.token_names, axes), "gradients reduced"
+    return None
+
+
+STRATEGY = Strategy(
+    name="data",
+    rank=20,
+    axes=("data",),
+    minimum=minimum,
+    attributions=(Attribution(120, "param", gradients),),
+)

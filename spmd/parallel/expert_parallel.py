@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from spmd.core.logical import active as active_sharding
 from spmd.core.logical import split_axes
-from spmd.core.mesh import axes_size
+from spmd.core.mesh import axes_size, format_axes
+from spmd.parallel.strategy import Attribution, Strategy, names_on, rule
 
 TOKEN_AXES = ("batch", "seq", None)
 
@@ -87,3 +88,52 @@ def _exchange(x_TD, e_M, w_M, k, wg, wu, wd, axis, n, experts):
     y_s = back_nMD[dest_s, rank_s]
     w_s = w_M[order_M].astype(y_s.dtype)
     return jnp.zeros((x_TD.shape[0], D), y_s.dtype).at[token_s].add(y_s * w_s[:, None])
+
+
+# --- the strategy ---------------------------------------------------------------------------------
+
+
+def check(rules, mesh, figures, seq_len) -> list[str]:
+    """The experts split evenly over the expert mesh axes."""
+    if not figures.n_experts:
+        return []
+    expert_axes = rules.mapping.get("expert", ())
+    n = axes_size(mesh.shape, expert_axes)
+    if figures.n_experts % n:
+        where = format_axes(mesh.shape, expert_axes)
+        return [
+            f"moe.n_experts ({figures.n_experts}) does not divide by the expert mesh axes {where} = {n}; "
+            f"use a number of experts that {where} divides, or a smaller expert axis"
+        ]
+    return []
+
+
+def minimum(step) -> float:
+    """Each MoE layer moves its dispatched tokens (B/dp, E, C, D) to the experts and back, forward
+    and backward: 4 all-to-alls, each sending (n-1)/n of the buffer; under remat the backward
+    moves them again (the experts' inputs and outputs are not saved: their einsums have a batch
+    dimension): 6."""
+    n = axes_size(step.sizes, step.expert_axes)
+    if not step.fig.n_experts or n <= 1:
+        return 0.0
+    moves = 4 + (2 if step.model.remat != "none" else 0)
+    return moves * step.fig.moe_layers // step.stages * step.dispatched * (n - 1) / n
+
+
+def dispatched_tokens(c, seen, shape):
+    """Tokens dispatched to the experts and back: an all-to-all over the expert axes."""
+    names = names_on(seen.rules, seen.axes, ("expert",))
+    if c.kind == "all-to-all" and names and seen.holds_tokens(shape):
+        return rule(names, seen.axes), "dispatched tokens (MoE)"
+    return None
+
+
+STRATEGY = Strategy(
+    name="expert",
+    rank=40,
+    axes=("expert",),
+    ops={"dropless_moe": dropless},
+    check=check,
+    minimum=minimum,
+    attributions=(Attribution(330, "activation", dispatched_tokens),),
+)

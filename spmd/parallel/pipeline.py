@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.core.errors import UserError
 from spmd.core.logical import active, rules_replaced
 from spmd.core.mesh import axes_size, spec_axes
+from spmd.parallel.strategy import Attribution, Strategy, rule, squeeze
 
 STAGE_AXIS = "stage"
 
@@ -325,3 +326,48 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
 def provider(schedule: Schedule):
     """The parallel implementation the model asks for as "pipeline" (spmd.core.logical.provided)."""
     return functools.partial(run, schedule=schedule)
+
+
+# --- the strategy ---------------------------------------------------------------------------------
+
+
+def minimum(step) -> float:
+    """Every row of the device's batch enters each of its stage's R layer groups once: its
+    activations sent on once per repeat, forward, and their gradient back."""
+    schedule = step.plan.schedule
+    if schedule is None:
+        return 0.0
+    return 2 * schedule.repeats * step.B * step.T * step.fig.d_model * step.itemsize
+
+
+def stage_traffic(c, seen):
+    """Activations between stages (ppermute) and the stages' rows to and from stage 0."""
+    schedule = seen.schedule
+    if schedule is None or not set(seen.axes) <= set(schedule.axes):
+        return None
+    if c.kind == "collective-permute" and "ppermute" in c.op_name:
+        return rule(["layers"], seen.axes), "pipeline: each microbatch's activations to the next stage"
+    cfg, sizes = seen.cfg, seen.sizes
+    rows = cfg.train.global_batch_size // cfg.train.microbatches  # a stage's rows, inside
+    rows //= axes_size(sizes, [a for a in seen.rules.mapping.get("batch", ()) if a not in schedule.axes])
+    T, D = cfg.train.seq_len, cfg.model.d_model
+    buffers = {
+        squeeze((schedule.microbatches, rows // schedule.microbatches, T, D)),
+        squeeze((rows, T, D)),
+        squeeze((rows // schedule.stages, T, D)),  # the rows one stage computes the head of
+    }
+    if any(squeeze(shape) in buffers for shape in seen.shapes):
+        return rule(["layers"], seen.axes), (
+            "pipeline: the stages' input rows to stage 0 and the outputs from it to the stages "
+            "that compute their head and loss (forward), their gradients back (backward)"
+        )
+    return None
+
+
+STRATEGY = Strategy(
+    name="stage",
+    rank=60,
+    axes=(STAGE_AXIS,),
+    minimum=minimum,
+    attributions=(Attribution(210, "collective", stage_traffic),),
+)

@@ -18,11 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.core import rules as rules_lib
 from spmd.core.errors import UserError
 from spmd.core.logical import TOKEN_AXES, Lowering, activation_sharding, lowered
-from spmd.core.mesh import axes_size, format_axes, format_mesh, platform_of, spec_axes
-from spmd.parallel import context, expert_parallel, pipeline
-
-# The parallel implementations handed to models through the seam (spmd.core.logical.provided).
-PARALLEL_OPS = {"context_attention": context.context_attention, "dropless_moe": expert_parallel.dropless}
+from spmd.core.mesh import axes_size, format_mesh, platform_of, spec_axes
+from spmd.parallel import pipeline, strategy
 
 
 @contextlib.contextmanager
@@ -30,7 +27,8 @@ def activate(rules, mesh, schedule: pipeline.Schedule | None = None, lowering: L
     """Context in which a model traced constrains its activations by `rules` on `mesh`, finds the
     parallel implementations it may need (the pipeline's when there is a `schedule`) and lowers as
     `lowering` says (default: the form for the mesh's platform)."""
-    ops = PARALLEL_OPS if schedule is None else {**PARALLEL_OPS, "pipeline": pipeline.provider(schedule)}
+    # the parallel implementations the strategies hand models through the seam (logical.provided)
+    ops = strategy.ops() if schedule is None else {**strategy.ops(), "pipeline": pipeline.provider(schedule)}
     with activation_sharding(rules, mesh, ops), lowered(lowering or Lowering.for_platform(platform_of(mesh))):
         yield
 
@@ -207,15 +205,9 @@ def plan(
     act_specs = {"batch tokens": TOKEN_AXES, **{k: axes for k, (axes, _) in activations.items()}}
     act_shapes = {"batch tokens": (micro, seq_len), **{k: s for k, (_, s) in activations.items() if s}}
     figures = family.figures(model_cfg, seq_len)
-    if figures.n_experts:
-        expert_axes = rules.mapping.get("expert", ())
-        n = axes_size(sizes, expert_axes)
-        if figures.n_experts % n:
-            where = format_axes(sizes, expert_axes)
-            raise UserError(
-                f"moe.n_experts ({figures.n_experts}) does not divide by the expert mesh axes "
-                f"{where} = {n}; use a number of experts that {where} divides, or a smaller expert axis"
-            )
+    problems = strategy.problems(rules, mesh, figures, seq_len)  # each strategy's checks
+    if problems:
+        raise UserError(problems[0])
     # Parameters stacked over layers: the leading axis holds G layer groups (the smallest such
     # stack: an MoE model keeps its dense layers of a group in another stack of k * G).
     layered = {p: shapes[p][0] for p in specs if specs[p] and specs[p][0] == "layers"}
@@ -224,9 +216,6 @@ def plan(
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     # The KV cache exists only when decoding, which runs under the decoding rules (no pipeline).
     rules_lib.validate(rules.for_decoding(), family.cache_axes(model_cfg, False), sizes)
-    problems = context.check(rules, mesh, figures.n_heads, figures.n_kv_heads, seq_len)
-    if problems:
-        raise UserError(problems[0])
 
     infos = []
     for p, v in flat:
