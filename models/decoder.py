@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmd.core.family import Aux
+from spmd.core.family import Aux, ModelFamily
 from spmd.core.logical import constrain, is_split, provided
+from spmd.models import moe
 
 REMAT_POLICIES = {
     "none": None,
@@ -281,3 +282,24 @@ def attention_flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs of the attention scores and their use, per token: QK^T and PV, 2 matmuls x
     2 FLOPs x T x N*H forward, x3 for forward and backward, halved by the causal mask."""
     return 3 * 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers / 2
+
+
+def family(name: str, config_cls, model_cls, figures, *, hf=None, adapter_targets=None, logical_axes=None,
+           mixture: bool = False) -> ModelFamily:  # fmt: skip
+    """The ModelFamily (spmd.core.family) of a model built on `Decoder`: its activations and KV
+    cache are this module's; with `mixture`, its auxiliary losses and metrics are the MoE layer's
+    (a config with a `[moe]` table)."""
+    return ModelFamily(
+        name=name,
+        config_cls=config_cls,
+        model_cls=model_cls,
+        figures=figures,
+        activations=activations,
+        cache_axes=KVCache.axes,
+        empty_cache=KVCache.empty,
+        cache_shardings=KVCache.shardings,
+        logical_axes=logical_axes or {},
+        **({"aux_weights": moe.aux_weights, "aux_metrics": moe.aux_metrics} if mixture else {}),
+        hf=hf,
+        adapter_targets=adapter_targets or {},
+    )

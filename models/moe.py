@@ -11,7 +11,7 @@ Two dispatch paths compute the same function when nothing is dropped:
   with experts sharded over the `expert` mesh axis it exchanges tokens with all-to-all.
 - dropless: token-choices sorted by expert and multiplied with `jax.lax.ragged_dot` (grouped
   matmul; on CPU as tiles of one expert's rows, see grouped_swiglu); nothing is dropped. GSPMD
-  cannot partition a sort-and-ragged-dot by expert, so this path runs per shard (spmd.moe) and
+  cannot partition a sort-and-ragged-dot by expert, so this path runs per shard (spmd.parallel.expert_parallel) and
   exchanges tokens with an explicit all-to-all.
 
 The router's auxiliary losses: load balance E * sum_e f_e P_e (Switch/GShard; f_e the fraction of
@@ -237,7 +237,7 @@ def dropless(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD):
 
 def dropless_reference(x_TD, experts_Tk, weights_Tk, w_gate_EDF, w_up_EDF, w_down_EFD):
     """Sort token-choices by expert, grouped matmuls with ragged_dot, weighted scatter back.
-    One device's tokens and all (or its local) experts; used per shard by spmd.moe."""
+    One device's tokens and all (or its local) experts; used per shard by spmd.parallel.expert_parallel."""
     T, D = x_TD.shape
     E = w_gate_EDF.shape[0]
     k = experts_Tk.shape[1]

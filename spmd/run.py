@@ -288,11 +288,11 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     writer = MetricsWriter(run_dir, cfg.metrics, resolved) if is_main else None
     t0 = time.perf_counter()
     ledger.add("init", t0 - started)
-    guard = spikes.SpikeGuard.for_config(tcfg, {"spikes": start.spikes})
+    guard = spikes.SpikeGuard.for_config(cfg.spikes, {"spikes": start.spikes})
     device = next(d for d in setup.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
     try:
         with oom.as_error("the train step", device):
-            if tcfg.on_spike == "skip":  # the step takes the spike threshold as an input
+            if cfg.spikes.action == "skip":  # the step takes the spike threshold as an input
                 step_fn = (
                     trainer.guarded_step()
                     .lower(start.state, batches.train_batch(start.step), np.float32(np.inf))
@@ -339,34 +339,17 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     watchdog = Watchdog(tcfg.step_timeout, run_dir / "hangs", jax.process_index(), compile_seconds)
 
     def rollback(spike: spikes.Rollback):
-        """The state of the newest checkpoint before the spike, and the data past the batches that
-        led to it (plus train.spike_skip_batches)."""
+        """The state of the newest checkpoint before the spike, the data past the batches that led
+        to it (spmd.loop.spikes.roll_back)."""
         checkpointer.wait()
-        before = [s for s in ckpt.committed_steps(checkpointer.directory) if s < spike.step]
-        what = f"loss spike at step {spike.step} (loss {spike.loss:.4f}, above {spike.threshold:.4f})"
-        if not before:
-            raise spikes.Spiked(
-                f"{what}, and no checkpoint before it to roll back to; set checkpoint.every so that one is "
-                f"written, or lower optimizer.learning_rate"
-            )
-        if guard.rollbacks >= tcfg.max_rollbacks:
-            raise spikes.Spiked(
-                f"{what} after {guard.rollbacks} rollbacks (train.max_rollbacks): the run stops; the "
-                f"checkpoints from before the first spike are kept"
-            )
-        target = before[-1]
-        # past the batch of the spiking step (and those of earlier rollbacks) and N more
-        position = batches.consumed_samples(spike.step) + tcfg.spike_skip_batches * tcfg.global_batch_size
-        state, meta = ckpt.restore(checkpointer.directory, target, trainer.abstract_saved)
-        skip = (position - int(meta["consumed_samples"])) // tcfg.global_batch_size
-        batches.resume_at(target, position)
-        counts = (guard.spikes, guard.rollbacks + 1, guard.first_anomaly)
-        restored = spikes.SpikeGuard.for_config(tcfg, meta)
-        guard.losses = restored.losses  # the history as of the checkpoint, the counts as of now
-        guard.spikes, guard.rollbacks, guard.first_anomaly = counts
+        state, meta, target, skip = spikes.roll_back(
+            spike, guard, cfg.spikes, tcfg.global_batch_size, batches, ckpt.committed_steps(checkpointer.directory),
+            lambda step: ckpt.restore(checkpointer.directory, step, trainer.abstract_saved),
+        )  # fmt: skip
         if is_main:
-            log(f"rollback: {what}; restored step {target} and skipped {skip} batches of data "
-                f"(rollback {guard.rollbacks} of at most {tcfg.max_rollbacks})")  # fmt: skip
+            log(f"rollback: loss spike at step {spike.step} (loss {spike.loss:.4f}, above {spike.threshold:.4f}); "
+                f"restored step {target} and skipped {skip} batches of data (rollback {guard.rollbacks} of at "
+                f"most {cfg.spikes.max_rollbacks})")  # fmt: skip
         frozen = ckpt.frozen_of(trainer, meta, "the rollback") if trainer.partition.freezes else None
         return trainer.from_canonical(state, frozen), target
 

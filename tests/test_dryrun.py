@@ -209,4 +209,6 @@ def test_the_strategies_each_own_a_share_and_a_new_one_is_a_module(devices, tmp_
     assert r["analytic_minimum_bytes"]["made_up"] == 1000.0 * 2  # 8 sequences over data=4
     # tried among the "collective" scope (after the weights and gradients), first by its priority
     assert "all of it" in {row["what"] for row in r["explain"]["rules"]} and not r["explain"]["unexplained"]
-    assert "partial sums of a layer's matmuls over a split dimension" not in {row["what"] for row in r["explain"]["rules"]}
+    assert "partial sums of a layer's matmuls over a split dimension" not in {
+        row["what"] for row in r["explain"]["rules"]
+    }

@@ -24,13 +24,13 @@ OVERRIDES = [
     "train.eval_every=0",
     "checkpoint.every=4",
     "checkpoint.async_save=false",
-    "train.spike_window=16",
+    "spikes.window=16",
 ]
 
 
 def guard(on_spike="stop", factor=6.0, window=16):
-    return spikes.SpikeGuard.for_config(load_config("tiny", [f"train.on_spike={on_spike}",
-        f"train.spike_factor={factor}", f"train.spike_window={window}"]).train)  # fmt: skip
+    return spikes.SpikeGuard.for_config(load_config("tiny", [f"spikes.action={on_spike}",
+        f"spikes.factor={factor}", f"spikes.window={window}"]).spikes)  # fmt: skip
 
 
 def test_a_falling_noisy_loss_is_no_spike_and_a_jump_is():
@@ -60,7 +60,7 @@ def test_the_test_waits_to_settle_and_travels_with_checkpoints():
     g.observe(spikes.SETTLE + 1, math.nan, skipped=True)  # non-finite: the first anomaly, no spike
     assert g.first_anomaly == spikes.SETTLE + 1 and g.spikes == 0
     again = spikes.SpikeGuard.for_config(
-        load_config("tiny", ["train.spike_window=16"]).train, {"spikes": g.to_meta()}
+        load_config("tiny", ["spikes.window=16"]).spikes, {"spikes": g.to_meta()}
     )
     assert again.threshold() == g.threshold() and again.first_anomaly == g.first_anomaly
     assert guard(factor=0).threshold() == math.inf
@@ -110,7 +110,7 @@ def losses(run_dir):
 
 
 def test_stop_is_an_error_that_keeps_every_checkpoint_before_the_spike(corrupt_batch, tmp_path, devices):
-    with pytest.raises(spikes.Spiked, match=f"loss spike at step {BAD_STEP}: .*train.on_spike = stop"):
+    with pytest.raises(spikes.Spiked, match=f"loss spike at step {BAD_STEP}: .*spikes.action = stop"):
         train(tmp_path, devices)
     assert ckpt.committed_steps(tmp_path / ckpt.SUBDIR) == [20, 24, 28]
     assert [s for s, _ in losses(tmp_path)] == list(range(1, BAD_STEP))  # the spike is not logged
@@ -118,7 +118,7 @@ def test_stop_is_an_error_that_keeps_every_checkpoint_before_the_spike(corrupt_b
 
 def test_skip_leaves_the_state_unchanged_and_keeps_the_checkpoint_before_it(corrupt_batch, tmp_path, devices):
     result = train(
-        tmp_path, devices, "train.on_spike=skip", "checkpoint.keep_last=1", "checkpoint.keep_best=0"
+        tmp_path, devices, "spikes.action=skip", "checkpoint.keep_last=1", "checkpoint.keep_best=0"
     )
     assert result.step == 36
     spiked = result.metrics[BAD_STEP - 1]
@@ -132,7 +132,7 @@ def test_skip_leaves_the_state_unchanged_and_keeps_the_checkpoint_before_it(corr
 def test_rollback_skips_the_batch_and_resumes_to_the_same_losses_wherever_killed(
     corrupt_batch, tmp_path, devices, monkeypatch, capsys
 ):
-    settings = ("train.on_spike=rollback", "train.spike_skip_batches=1")
+    settings = ("spikes.action=rollback", "spikes.skip_batches=1")
     whole = train(tmp_path / "whole", devices, *settings)
     assert whole.step == 36 and (whole.metrics[-1]["spikes"], whole.metrics[-1]["rollbacks"]) == (1, 1)
     assert f"rollback: loss spike at step {BAD_STEP} " in capsys.readouterr().err
@@ -167,6 +167,21 @@ def test_rollback_skips_the_batch_and_resumes_to_the_same_losses_wherever_killed
 
 
 def test_rollbacks_are_capped(corrupt_batch, tmp_path, devices):
-    with pytest.raises(spikes.Spiked, match=r"after 0 rollbacks \(train.max_rollbacks\)"):
-        train(tmp_path, devices, "train.on_spike=rollback", "train.max_rollbacks=0")
+    with pytest.raises(spikes.Spiked, match=r"after 0 rollbacks \(spikes.max_rollbacks\)"):
+        train(tmp_path, devices, "spikes.action=rollback", "spikes.max_rollbacks=0")
     assert ckpt.committed_steps(tmp_path / ckpt.SUBDIR) == [20, 24, 28]
+
+
+def test_the_spike_keys_have_their_own_table():
+    """[spikes] holds what was train.spike_*: the old keys are an error naming the new ones, and a
+    config saved with them (a checkpoint of an older version) reads them into the table."""
+    from spmd.assembly.config import config_from_json
+    from spmd.core.errors import UserError
+
+    with pytest.raises(UserError, match=r"'train.on_spike' .*has moved: it is 'spikes.action' now"):
+        load_config("tiny", ["train.on_spike=skip"])
+    saved = load_config("tiny").to_json()
+    old = {k: v for k, v in saved.items() if k != "spikes"}
+    old["train"] = {**saved["train"], "on_spike": "rollback", "spike_window": 16, "max_rollbacks": 1}
+    spikes_cfg = config_from_json(old).spikes
+    assert (spikes_cfg.action, spikes_cfg.window, spikes_cfg.max_rollbacks) == ("rollback", 16, 1)

@@ -26,7 +26,7 @@ ARCHITECTURES = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _rope(hf: dict) -> tuple[float, dict]:
+def rope(hf: dict) -> tuple[float, dict]:
     """(rope_theta, scaling dict or {}), from transformers 5's `rope_parameters` or the older
     `rope_theta` + `rope_scaling` keys that published checkpoints use."""
     params = hf.get("rope_parameters") or {}
@@ -47,21 +47,51 @@ def architecture(hf: dict, source: str) -> str:
     return arch
 
 
+class ConfigReader:
+    """An HF config.json read for one architecture of a Llama-style decoder (this family's, and
+    families built on it: Qwen3): `need(key)`, `refuse(what)` (errors naming the file), and the
+    fields every such decoder spells alike."""
+
+    def __init__(self, hf: dict, source: str, arch: str):
+        self.hf, self.source, self.arch = hf, source, arch
+        if hf.get("hidden_act", "silu") != "silu":
+            self.refuse(f"hidden_act={hf['hidden_act']!r} (only silu, SwiGLU)")
+
+    def need(self, key):
+        if key not in self.hf:
+            raise UserError(f"{self.source}: config.json has no {key!r}, which {self.arch} needs")
+        return self.hf[key]
+
+    def refuse(self, what: str):
+        raise UserError(
+            f"{self.source}: {what} is not supported by this model; it cannot be imported faithfully"
+        )
+
+    def decoder_fields(self) -> dict:
+        """The decoder's sizes, RoPE base, norm epsilon, tying and init scale."""
+        hf, need = self.hf, self.need
+        D, N = int(need("hidden_size")), int(need("num_attention_heads"))
+        return dict(
+            vocab_size=int(need("vocab_size")),
+            d_model=D,
+            n_layers=int(need("num_hidden_layers")),
+            n_heads=N,
+            n_kv_heads=int(hf.get("num_key_value_heads") or N),
+            head_dim=int(hf.get("head_dim") or D // N),
+            d_ff=int(need("intermediate_size")),
+            rope_theta=rope(hf)[0],
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=float(hf.get("initializer_range", 0.02)),
+        )
+
+
 def model_fields(hf: dict, source: str) -> dict:
     """Our LlamaConfig fields for an HF config.json (as a dict), or an error naming what we
     cannot express."""
     arch = architecture(hf, source)
-
-    def need(key):
-        if key not in hf:
-            raise UserError(f"{source}: config.json has no {key!r}, which {arch} needs")
-        return hf[key]
-
-    def refuse(what: str):
-        raise UserError(f"{source}: {what} is not supported by this model; it cannot be imported faithfully")
-
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse(f"hidden_act={hf['hidden_act']!r} (only silu, SwiGLU)")
+    reader = ConfigReader(hf, source, arch)
+    need, refuse = reader.need, reader.refuse
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
         refuse("attention_bias=true (a bias on o_proj)")
     if hf.get("mlp_bias"):
@@ -70,22 +100,8 @@ def model_fields(hf: dict, source: str) -> dict:
     uses_window = hf.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
     if window and uses_window and window < hf.get("max_position_embeddings", math.inf):
         refuse(f"sliding-window attention (sliding_window={window})")
-    D, N = int(need("hidden_size")), int(need("num_attention_heads"))
-    theta, scaling = _rope(hf)
-    fields = dict(
-        vocab_size=int(need("vocab_size")),
-        d_model=D,
-        n_layers=int(need("num_hidden_layers")),
-        n_heads=N,
-        n_kv_heads=int(hf.get("num_key_value_heads") or N),
-        head_dim=int(hf.get("head_dim") or D // N),
-        d_ff=int(need("intermediate_size")),
-        rope_theta=theta,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-    )
+    fields = {**reader.decoder_fields(), "qkv_bias": arch == "Qwen2ForCausalLM"}
+    scaling = rope(hf)[1]
     if scaling:
         if scaling["rope_type"] != "llama3":
             refuse(f"rope scaling of type {scaling['rope_type']!r} (only llama3)")

@@ -2,23 +2,11 @@
 a mixture of experts ([moe]); Hugging Face `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` import and
 export."""
 
-from spmd.core.family import ModelFamily
-from spmd.models import decoder, moe
+from spmd.models import decoder
 from spmd.models.llama.model import ADAPTER_TARGETS
 from spmd.models.qwen3 import hf_mapping
 from spmd.models.qwen3.model import Qwen3, Qwen3Config, figures
 
-FAMILY = ModelFamily(
-    name="qwen3",
-    config_cls=Qwen3Config,
-    model_cls=Qwen3,
-    figures=figures,
-    activations=decoder.activations,
-    cache_axes=decoder.KVCache.axes,
-    empty_cache=decoder.KVCache.empty,
-    cache_shardings=decoder.KVCache.shardings,
-    aux_weights=moe.aux_weights,
-    aux_metrics=moe.aux_metrics,
-    hf=hf_mapping.ADAPTER,
-    adapter_targets=ADAPTER_TARGETS,
+FAMILY = decoder.family(
+    "qwen3", Qwen3Config, Qwen3, figures, hf=hf_mapping.ADAPTER, adapter_targets=ADAPTER_TARGETS, mixture=True
 )

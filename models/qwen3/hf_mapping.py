@@ -19,41 +19,20 @@ QWEN3_MOE = {
 
 
 def model_fields(hf: dict, source: str) -> dict:
-    """Our Qwen3Config fields for an HF config.json, or an error naming what we cannot express."""
+    """Our Qwen3Config fields for an HF config.json, or an error naming what we cannot express: the
+    Llama-style decoder's (spmd.models.llama.hf_mapping.ConfigReader), and Qwen3-MoE's experts."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else {t: a for a, t in ARCHITECTURES.items()}.get(hf.get("model_type"), "")
-
-    def need(key):
-        if key not in hf:
-            raise UserError(f"{source}: config.json has no {key!r}, which {arch} needs")
-        return hf[key]
-
-    def refuse(what: str):
-        raise UserError(f"{source}: {what} is not supported by this model; it cannot be imported faithfully")
-
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse(f"hidden_act={hf['hidden_act']!r} (only silu, SwiGLU)")
+    reader = llama.ConfigReader(hf, source, arch)
+    need, refuse = reader.need, reader.refuse
     if hf.get("attention_bias"):
         refuse("attention_bias=true")
     if hf.get("use_sliding_window"):
         refuse(f"sliding-window attention (sliding_window={hf.get('sliding_window')})")
-    D, N = int(need("hidden_size")), int(need("num_attention_heads"))
-    theta, scaling = llama._rope(hf)
+    fields = reader.decoder_fields()
+    scaling = llama.rope(hf)[1]
     if scaling:
         refuse(f"rope scaling of type {scaling['rope_type']!r}")
-    fields = dict(
-        vocab_size=int(need("vocab_size")),
-        d_model=D,
-        n_layers=int(need("num_hidden_layers")),
-        n_heads=N,
-        n_kv_heads=int(hf.get("num_key_value_heads") or N),
-        head_dim=int(hf.get("head_dim") or D // N),
-        d_ff=int(need("intermediate_size")),
-        rope_theta=theta,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-    )
     if arch == "Qwen3MoeForCausalLM":
         if hf.get("mlp_only_layers"):
             refuse(f"mlp_only_layers={hf['mlp_only_layers']} (dense layers at chosen places)")

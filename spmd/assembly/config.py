@@ -4,8 +4,8 @@ Each table of a config file belongs to the part of the stack that reads it: `[mo
 family (`model.family`, default llama: spmd.core.family), with its own tables where its config holds
 one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
 (spmd/training/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
-`[pipeline]` (spmd/parallel/pipeline.py), `[lora]` (low-rank
-adapters on a frozen base: spmd/transforms/lora.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
+`[pipeline]` (spmd/parallel/pipeline.py), `[spikes]` (loss spikes:
+spmd/loop/spikes.py), `[lora]` (low-rank adapters on a frozen base: spmd/transforms/lora.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
 optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
 its new home.
 """
@@ -21,7 +21,7 @@ from spmd.core import family as family_lib
 from spmd.core import presets as presets_lib
 from spmd.core.errors import UserError, closest
 from spmd.loop.metrics import MetricsConfig
-from spmd.loop.spikes import ON_SPIKE
+from spmd.loop.spikes import SpikesConfig
 from spmd.parallel.pipeline import PipelineConfig
 from spmd.training.optimizer import OptimizerConfig
 
@@ -44,13 +44,6 @@ class TrainConfig:
     step_timeout: float = 0.0  # hang watchdog (spmd.loop.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
-    # loss spikes (spmd.loop.spikes): a loss this many robust spreads above the median of the last
-    # spike_window losses; 0: no test
-    spike_factor: float = 6.0
-    spike_window: int = 64
-    on_spike: str = "stop"  # stop | skip | rollback
-    spike_skip_batches: int = 0  # rollback: batches skipped past the ones that led to the spike
-    max_rollbacks: int = 3  # rollback: a run stops at the next spike after this many
 
     def check(self) -> list[str]:
         problems = []
@@ -64,14 +57,6 @@ class TrainConfig:
             )
         if self.eval_every < 0:
             problems.append(f"train.eval_every must be >= 0, got {self.eval_every}")
-        if not 0 <= self.spike_factor < float("inf"):
-            problems.append(f"train.spike_factor must be >= 0 (0: no spike test), got {self.spike_factor}")
-        if self.spike_window < 2:
-            problems.append(f"train.spike_window must be at least 2, got {self.spike_window}")
-        if self.on_spike not in ON_SPIKE:
-            problems.append(f"train.on_spike must be one of {', '.join(ON_SPIKE)}, got {self.on_spike!r}")
-        if self.spike_skip_batches < 0 or self.max_rollbacks < 0:
-            problems.append("train.spike_skip_batches and train.max_rollbacks must be >= 0")
         if not 0 <= self.z_loss < float("inf"):
             problems.append(f"train.z_loss must be a finite number >= 0, got {self.z_loss}")
         if self.step_timeout != self.step_timeout or self.step_timeout == float("inf"):
@@ -233,6 +218,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     cpu: CpuConfig = CpuConfig()
     metrics: MetricsConfig = MetricsConfig()
+    spikes: SpikesConfig = SpikesConfig()
     lora: LoRAConfig = LoRAConfig()
 
     @property
@@ -252,6 +238,7 @@ SECTIONS = {
     "pipeline": PipelineConfig,
     "cpu": CpuConfig,
     "metrics": MetricsConfig,
+    "spikes": SpikesConfig,
     "lora": LoRAConfig,
 }
 # Keys that left the config for the sharding rules (spmd.core.rules): how attention runs when the
@@ -275,6 +262,11 @@ MOVED = {
             "grad_clip",
         )
     },  # fmt: skip
+    "train.spike_factor": "spikes.factor",
+    "train.spike_window": "spikes.window",
+    "train.on_spike": "spikes.action",
+    "train.spike_skip_batches": "spikes.skip_batches",
+    "train.max_rollbacks": "spikes.max_rollbacks",
     "train.cpu_matmul": "cpu.matmul",
     "train.host_heap": "cpu.host_heap",
     "train.grad_reduce": "cpu.grad_reduce",

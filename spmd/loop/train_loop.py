@@ -80,7 +80,7 @@ class TrainLoop:
         stop the run with Diverged, before any hook sees the last of them. `ledger`
         (spmd.loop.goodput.Ledger) gets the loop's time by bucket; `watchdog` (spmd.loop.watchdog.Watchdog)
         hears of every finished step and hook. `guard` (spmd.loop.spikes.SpikeGuard) judges each step's
-        loss before any hook sees it; under on_spike = skip `step_fn` takes its threshold as a third
+        loss before any hook sees it; under spikes.action = skip `step_fn` takes its threshold as a third
         argument, and under rollback `on_rollback(Rollback) -> (state, step)` gives the state and
         step to go on from."""
         self.step_fn, self.batches, self.hooks, self.stop = step_fn, batches, hooks, stop
@@ -118,7 +118,7 @@ class TrainLoop:
         self.streak.append(step)
         if self.max_skipped and len(self.streak) >= self.max_skipped:
             spike = (
-                " or a loss spike (train.on_spike = skip)"
+                " or a loss spike (spikes.action = skip)"
                 if self.guard and self.guard.on_spike == "skip"
                 else ""
             )

@@ -114,7 +114,7 @@ class Trainer:
     # (spmd/parallel/dataparallel.py); None when XLA's all-reduce does it.
     flat_grad_axes: tuple[str, ...] | None = None
     # () -> jitted (state, batch, max_loss) -> (state, metrics): train_step that also leaves the
-    # state unchanged when the loss is above max_loss (train.on_spike = skip, spmd.loop.spikes); made
+    # state unchanged when the loss is above max_loss (spikes.action = skip, spmd.loop.spikes); made
     # only by runs that use it (a oneDNN program is kept alive once made: spmd.platform.cpu_matmul.keep)
     guarded_step: object = None
     # which parameters train (`params`) and which are frozen (`frozen`): spmd.training.transform
@@ -370,7 +370,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
 
 def apply_update(state, grads, sums, max_loss, tx, opt_shardings, update_shardings, offload: bool):
     """(new state without `frozen`, metrics): the optimizer's update of the trained parameters from
-    the summed gradients. A non-finite loss or gradient, or under on_spike = skip a loss above
+    the summed gradients. A non-finite loss or gradient, or under spikes.action = skip a loss above
     `max_loss`, leaves parameters and optimizer state as they were (a select, fused into the
     update, so the kept branch is bit-identical)."""
     ce_sum, z_sum, count, _ = sums
