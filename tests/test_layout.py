@@ -166,7 +166,7 @@ def test_no_private_names_cross_modules():
 def test_only_setup_assembles_a_run():
     """The chain config -> mesh -> rules -> plan -> trainer is built in spmd/assembly/setup.py alone."""
     callers = []
-    for path in [*ROOT.glob("spmd/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
+    for path in [*ROOT.glob("spmd/**/*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("tests/*.py")]:
         text = path.read_text()
         if path.name != "test_layout.py" and ("build_trainer(" in text or "sharding_lib.plan(" in text):
             callers.append(path.relative_to(ROOT).as_posix())

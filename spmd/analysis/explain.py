@@ -108,27 +108,30 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
     if not c.axes:
         return None
     seen = Seen(c, plan, cfg)
+    scopes = {
+        scope: attributions(scope, PARTITIONER) for scope in ("param", "collective", "activation", "late")
+    }
     for shape in seen.shapes:
         for p_shape, p, dim in seen.params:
             if squeeze(shape) != squeeze(p_shape):  # (compilers add and drop unit dims)
                 continue
-            for a in attributions("param", PARTITIONER):
+            for a in scopes["param"]:
                 found = a.match(c, seen, shape, p, dim)
                 if found:
                     return found
-    for a in attributions("collective", PARTITIONER):
+    for a in scopes["collective"]:
         found = a.match(c, seen)
         if found:
             return found
     seen.tokens()
     for shape in seen.activation_shapes:
-        for a in attributions("activation", PARTITIONER):
+        for a in scopes["activation"]:
             found = a.match(c, seen, shape)
             if found:
                 return found
     for shape in seen.activation_shapes:
         for p_shape, p, dim in seen.params:
-            for a in attributions("late", PARTITIONER):
+            for a in scopes["late"]:
                 found = a.match(c, seen, shape, p_shape, p, dim)
                 if found:
                     return found
