@@ -199,10 +199,15 @@ class Choices:
 def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
     """The choices of config `cfg` (spmd.assembly.config.Config) on devices of `platform` (and kind)."""
     cpu = platform == "cpu"
+    head_dim = cfg.model_family.figures(cfg.model, cfg.train.seq_len).head_dim
     shape = (
-        cfg.train.seq_len, platform, cfg.model.dtype, device_kind,
-        cfg.model_family.figures(cfg.model, cfg.train.seq_len).head_dim, cfg.data.packing == "segments",
-    )  # fmt: skip
+        cfg.train.seq_len,
+        platform,
+        cfg.model.dtype,
+        device_kind,
+        head_dim,
+        cfg.data.packing == "segments",
+    )
     impl, reason = _attention(cfg.model.attention_impl, *shape)
     return Choices(
         platform=platform,
@@ -215,7 +220,9 @@ def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
         train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
         kv_cache_per_layer=cpu,
         fused_loss=not cpu,
-        lowering=Lowering.for_platform(platform, flash_blocks(*shape[2:5], cfg.train.seq_len)),
+        lowering=Lowering.for_platform(
+            platform, flash_blocks(cfg.model.dtype, device_kind, head_dim, cfg.train.seq_len)
+        ),
     )
 
 

@@ -95,7 +95,7 @@ class ShardingPlan:
     layered: dict = dataclasses.field(default_factory=dict)
     layer_order: np.ndarray | None = None
     # how the model's platform-dependent pieces lower (spmd.assembly.policy decides; spmd.core.logical)
-    lowering: Lowering | None = None
+    lowering: Lowering = Lowering()
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -133,7 +133,7 @@ class ShardingPlan:
     def lowered(self):
         """Context for tracing the model per device (inside a shard_map: no activation rules) as
         this plan's lowering says."""
-        return lowered(self.lowering or Lowering.for_platform(platform_of(self.mesh)))
+        return lowered(self.lowering)
 
     def init_params(self, seed: int):
         """Real parameters (pure dict) of this plan's model, in stored layer order; call under jit
@@ -256,7 +256,7 @@ def plan(
         schedule=schedule,
         layered=layered,
         layer_order=pipeline.layer_order(groups, schedule),
-        lowering=lowering,
+        lowering=lowering or Lowering.for_platform(platform_of(mesh)),  # (a plan made by hand)
     )
 
 

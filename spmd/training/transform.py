@@ -17,6 +17,7 @@ and a config table, with no edit to the trainer or the checkpoints.
 import abc
 import contextlib
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -85,15 +86,16 @@ class ModelTransform(abc.ABC):
         """Raise UserError for a sharding plan (spmd.parallel.sharding.ShardingPlan) it cannot run under."""
 
 
-def kinds() -> list[type[ModelTransform]]:
-    """Every transform of the `spmd.transforms` package."""
+@functools.cache
+def kinds() -> tuple[type[ModelTransform], ...]:
+    """Every transform of the `spmd.transforms` package (found once per process)."""
     package = importlib.import_module(PACKAGE)
     found = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{PACKAGE}.{info.name}")
         if isinstance(getattr(module, "TRANSFORM", None), type):
             found.append(module.TRANSFORM)
-    return found
+    return tuple(found)
 
 
 def active(cfg) -> tuple[ModelTransform, ...]:
