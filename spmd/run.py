@@ -88,6 +88,7 @@ def train(
         setup.trainer, batches, run_dir, resume_from, overwrite, init["record"]["path"] if init else None,
         data_record, allow_tokenizer_change,
     )  # fmt: skip
+    check_precomputed_reference(setup.cfg, init["record"] if init else start.init_from)
     # Raw token ids say nothing of their tokenizer: the run keeps the one it started from.
     recorded = data_record or start.tokenizer
     if is_main:
@@ -105,6 +106,31 @@ def train(
         return _loop(setup, batches, run_dir, start, resolved, is_main, profile, lost, started, hooks)
     finally:
         lock.release()
+
+
+def check_precomputed_reference(cfg, origin: dict | None) -> None:
+    """A DPO run on precomputed reference log-probabilities must start from the checkpoint that
+    wrote them, on the data they were written for."""
+    from spmd.data.loader import precomputed_reference, prepared_dir
+    from spmd.data.preference import read_reference
+    from spmd.data.prepare import read_manifest
+
+    if not precomputed_reference(cfg):
+        return
+    directory = prepared_dir(cfg.data)
+    record, _ = read_reference(directory, "data.path")
+    if origin is None or origin.get("path") != record.get("checkpoint"):
+        raise UserError(
+            f"the reference log-probabilities beside {directory} were written by {record.get('checkpoint') or 'an unknown run'}, "
+            f"but this run starts from {origin.get('path') if origin else 'its seed'}: DPO's reference is the model a "
+            f"run starts from; pass that checkpoint to --init-from, or write them again with spmd-eval --run-dir "
+            f"<the --init-from run> --data {directory} --write-reference"
+        )
+    if record.get("data_key") != read_manifest(directory, check=False).get("key"):
+        raise UserError(
+            f"the reference log-probabilities beside {directory} were written for other data (it was prepared "
+            f"again since); write them again with spmd-eval --write-reference"
+        )
 
 
 def init_source(path: str) -> dict:
@@ -264,7 +290,8 @@ def describe_run(
         ),
         *notes,
         f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens",
-        f"batch: {B} sequences x {T} tokens = {B * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)",
+        f"batch: {B} {'sequences' if B == cfg.train.sequences else f'preference pairs ({cfg.train.sequences} sequences)'} "
+        f"x {T} tokens = {cfg.train.sequences * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)",
         f"peak for MFU: {peak / 1e9:,.1f} GFLOP/s ({peak_how})",
     ]
     for line in lines:
@@ -313,13 +340,16 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
     hooks = [
         loop.EvalHook(
-            tcfg.eval_every, lambda state: evaluate_all(trainer, trainer.model_params(state), batches)
+            tcfg.eval_every,
+            lambda state: evaluate_all(
+                trainer, trainer.model_params(state), batches, trainer.reference_params(state)
+            ),
         )
     ]
     metrics = None
     if is_main:
         metrics = loop.MetricsHook(
-            tcfg.log_every, tcfg.eval_every, tcfg.global_batch_size * tcfg.seq_len,
+            tcfg.log_every, tcfg.eval_every, tcfg.global_batch_size * batches.rows_per_sample * tcfg.seq_len,
             resolved["model"]["flops_per_token"], resolved["peak_flops"]["value"], z_loss=bool(tcfg.z_loss),
             writer=writer, start_step=start.step, ledger=ledger,
         )  # fmt: skip
@@ -350,8 +380,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             log(f"rollback: loss spike at step {spike.step} (loss {spike.loss:.4f}, above {spike.threshold:.4f}); "
                 f"restored step {target} and skipped {skip} batches of data (rollback {guard.rollbacks} of at "
                 f"most {cfg.spikes.max_rollbacks})")  # fmt: skip
-        frozen = ckpt.frozen_of(trainer, meta, "the rollback") if trainer.partition.freezes else None
-        return trainer.from_canonical(state, frozen), target
+        return trainer.from_canonical(state, ckpt.unsaved_of(trainer, meta, "the rollback")), target
 
     train_loop = loop.TrainLoop(
         step_fn, batches, hooks, stop=preemption.requested, max_skipped=tcfg.max_skipped_steps, ledger=ledger,

@@ -11,12 +11,12 @@ from spmd.io.checkpoint import (
     SUBDIR,
     check_meta,
     committed_steps,
-    frozen_of,
     locate,
     read_meta,
     restore,
     restore_weights,
     uncommitted,
+    unsaved_of,
 )
 
 
@@ -103,10 +103,9 @@ def resume_or_init(
                 f"keep {saved_opt.get(key)!r}, or start from its parameters with --init-from and a new --run-dir"
             )
     state, meta = restore(directory, step, trainer.abstract_saved)
-    # checkpoints hold the canonical layer order, without the frozen parameters (the weights the run
-    # started from)
-    frozen = frozen_of(trainer, meta, f"checkpoint {directory}/{step}") if trainer.partition.freezes else None
-    state = trainer.from_canonical(state, frozen)
+    # checkpoints hold the canonical layer order, without the frozen parameters and the reference
+    # model (the weights the run started from)
+    state = trainer.from_canonical(state, unsaved_of(trainer, meta, f"checkpoint {directory}/{step}"))
     saved_batch, consumed = int(meta["global_batch_size"]), int(meta["consumed_samples"])
     batches.resume_at(step, consumed)
     notes.append(f"resumed from {directory}/{step}: step {step}, {consumed:,} samples consumed")

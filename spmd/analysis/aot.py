@@ -204,7 +204,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     from spmd.analysis import hlo
 
     cfg, mesh, rules, plan, trainer = setup.cfg, setup.mesh, setup.rules, setup.plan, setup.trainer
-    B, T = cfg.train.global_batch_size, cfg.train.seq_len
+    B, T = cfg.train.sequences, cfg.train.seq_len
     state = trainer.abstract_state
     batch = trainer.abstract_batch(B, T)
     t0 = time.perf_counter()
@@ -277,6 +277,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "per_device_bytes": {
             "params": state["params"],
             **({"frozen_params": state["frozen_params"]} if state["frozen_params"] else {}),
+            **({"reference_params": state["reference_params"]} if state["reference_params"] else {}),
             "optimizer_state": state["optimizer_state"],
             "gradients": state["gradients"],
             "arguments": mem.argument_size_in_bytes,

@@ -5,7 +5,8 @@ family (`model.family`, default llama: spmd.core.family), with its own tables wh
 one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
 (spmd/training/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
 `[pipeline]` (spmd/parallel/pipeline.py), `[spikes]` (loss spikes:
-spmd/loop/spikes.py), `[lora]` (low-rank adapters on a frozen base: spmd/transforms/lora.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
+spmd/loop/spikes.py), `[lora]` (low-rank adapters on a frozen base: spmd/transforms/lora.py), `[preference]` (DPO, SimPO
+and ORPO under `train.objective`: spmd/training/preference.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
 optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
 its new home.
 """
@@ -24,6 +25,7 @@ from spmd.loop.metrics import MetricsConfig
 from spmd.loop.spikes import SpikesConfig
 from spmd.parallel.pipeline import PipelineConfig
 from spmd.training.optimizer import OptimizerConfig
+from spmd.training.preference import OBJECTIVES, PreferenceConfig
 
 CONFIG_DIR = presets_lib.folder("configs")
 
@@ -41,9 +43,17 @@ class TrainConfig:
     eval_batches: int = 4
     # consecutive steps with non-finite loss/gradients (skipped) that stop the run; 0: never
     max_skipped_steps: int = 5
+    # what the step minimises: lm (next-token cross-entropy) | dpo | simpo | orpo (preference pairs:
+    # spmd.training.preference and the [preference] table; global_batch_size then counts pairs)
+    objective: str = "lm"
     step_timeout: float = 0.0  # hang watchdog (spmd.loop.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
+
+    @property
+    def sequences(self) -> int:
+        """Rows of a global batch: global_batch_size, or two per preference pair."""
+        return self.global_batch_size * (1 if self.objective == "lm" else 2)
 
     def check(self) -> list[str]:
         problems = []
@@ -65,6 +75,8 @@ class TrainConfig:
             )
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
+        if self.objective not in OBJECTIVES:
+            problems.append(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         return problems
 
 
@@ -220,6 +232,7 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     spikes: SpikesConfig = SpikesConfig()
     lora: LoRAConfig = LoRAConfig()
+    preference: PreferenceConfig = PreferenceConfig()
 
     @property
     def model_family(self) -> family_lib.ModelFamily:
@@ -240,6 +253,7 @@ SECTIONS = {
     "metrics": MetricsConfig,
     "spikes": SpikesConfig,
     "lora": LoRAConfig,
+    "preference": PreferenceConfig,
 }
 # Keys that left the config for the sharding rules (spmd.core.rules): how attention runs when the
 # rules shard the sequence belongs to the layout, so it is a key of the rules file.

@@ -173,7 +173,7 @@ def assemble(
         cfg.model,
         device_mesh,
         resolved,
-        cfg.train.global_batch_size,
+        cfg.train.sequences,
         1 if decoding else cfg.train.seq_len,  # decoding feeds one position per step
         cfg.train.microbatches,
         cfg.pipeline,

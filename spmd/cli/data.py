@@ -15,6 +15,7 @@ examples:
   spmd-data prepare a.jsonl b.parquet --text-field content --tokenizer sp.model --out data/mix-a --workers 4
   spmd-train --config tiny --set data.path=data/corpus --set data.packing=segments ...
   spmd-data prepare chats.jsonl --format chat --tokenizer runs/llama/tokenizer.json --seq-len 2048 --out data/sft
+  spmd-data prepare pairs.jsonl --format preference --tokenizer runs/sft/tokenizer.json --seq-len 1024 --out data/dpo
 """
 
 
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--format",
         default="text",
-        choices=("text", "chat"),
-        help="text documents, or chat: .jsonl records with a 'messages' list of {role, content} [text]",
+        choices=("text", "chat", "preference"),
+        help="text documents; chat: .jsonl records with a 'messages' list of {role, content}; preference: "
+        ".jsonl/.parquet rows with prompt, chosen and rejected (strings or message lists) [text]",
     )
     add("--chat-template", default="", help="chat: a jinja template file [the tokenizer's own chat_template]")
     add(
@@ -65,13 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=int,
         default=0,
-        help="chat: conversations longer than this many tokens are overlong [0: none]",
+        help="chat, preference: conversations (a pair's sequences) longer than this many tokens are overlong [0: none]",
     )
     add(
         "--overlong",
-        default="drop",
-        choices=("drop", "split"),
-        help="chat: drop overlong conversations, or split them across windows as text is [drop]",
+        default=None,
+        choices=("drop", "split", "keep_end", "keep_start"),
+        help="chat: drop overlong conversations, or split them across windows as text is [drop]; preference: "
+        "keep each sequence's last (keep_end: the prompt is cut first) or first --seq-len tokens, or drop the "
+        "pair [keep_end]",
     )
     add("--overwrite", action="store_true", help="replace an --out that holds a different prepared dataset")
     add("--quiet", action="store_true", help="no progress display")
@@ -143,7 +147,7 @@ def run(args) -> int:
         chat_template=args.chat_template,
         train_on=args.train_on,
         seq_len=args.seq_len,
-        overlong=args.overlong,
+        overlong=args.overlong or ("keep_end" if args.format == "preference" else "drop"),
     )
     m = prepare.prepare(args.inputs, args.out, opts, args.workers, args.overwrite, progress=not args.quiet)
     train, val = m["splits"]["train"], m["splits"]["val"]
@@ -158,6 +162,12 @@ def run(args) -> int:
         f"{val['documents']:,} held out ({val['tokens']:,} tokens); tokenizer {m['tokenizer']['name']} "
         f"(vocab {m['tokenizer']['vocab_size']:,}, eos {m['tokenizer']['eos_id']})"
     )
+    if "preference" in m:
+        pref, over = m["preference"], m["preference"]["overlong"]
+        log(
+            f"preference: {pref['pairs']['train']:,} training pairs, {pref['pairs']['val']:,} held out; longer than "
+            f"--seq-len {pref['seq_len']}: {over['truncated']} truncated ({over['policy']}), {over['dropped']} dropped"
+        )
     if "chat" in m:
         chat, over = m["chat"], m["chat"]["overlong"]
         log(

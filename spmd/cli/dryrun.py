@@ -90,6 +90,7 @@ def print_report(r: dict) -> None:
         "host": "  host memory (pinned_host): offloaded optimizer state, host temporaries",
         "gradients": "  as the update takes them",
         "frozen_params": "  of the params: frozen by a model transform (no gradients, no optimizer state)",
+        "reference_params": "  of the params: the reference model of a preference objective (frozen, a copy)",
     }
     print("per device:")
     for k, v in r["per_device_bytes"].items():

@@ -24,6 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate on --data prepared with another tokenizer than the run's (otherwise an error)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--write-reference",
+        action="store_true",
+        help="write this checkpoint's log-probabilities of every completion in --data (prepared preference pairs) "
+        "beside it, for DPO runs that start from it with preference.reference=precomputed",
+    )
     bench = p.add_argument_group("benchmarks (lm-eval: pip install 'spmd-stack[lmeval]')")
     bench.add_argument("--tasks", help="comma-separated lm-eval tasks or groups, e.g. hellaswag,arc_easy")
     bench.add_argument("--limit", type=float, help="at most this many documents per task (a fraction if < 1)")
@@ -52,7 +58,15 @@ def run(args, may_relaunch: bool = False) -> int:
     if args.batches is not None and args.batches < 1:
         raise UserError(f"--batches must be positive, got {args.batches}")
     overrides = list(args.set) + ([f"data.path={args.data}", "data.sources=[]"] if args.data else [])
-    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
+    if args.write_reference:
+        if not args.data:
+            raise UserError("--write-reference needs --data: the prepared preference pairs to score")
+        loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides)
+        record = inference.write_reference(loaded, args.data)
+        print(f"wrote the reference log-probabilities of {record['checkpoint']} for {record['sequences']['train']:,} "
+              f"training and {record['sequences']['val']:,} held-out sequences beside {args.data}")  # fmt: skip
+        return 0
+    loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides, objective=True)
     if args.data:
         from spmd.data.loader import data_tokenizer_record
         from spmd.data.tokenizer import check_agrees
@@ -66,6 +80,8 @@ def run(args, may_relaunch: bool = False) -> int:
             f"--batches {args.batches} is more than the held-out split holds ({distinct} batches of "
             f"{batches.global_batch_size} x {batches.seq_len} tokens); ask for at most {distinct}"
         )
+    if loaded.cfg.train.objective != "lm":
+        return preference(args, loaded, batches)
     result = inference.evaluate(loaded, batches, args.batches or loaded.cfg.train.eval_batches)
     result["data"] = batches.description
     if args.json:
@@ -78,6 +94,25 @@ def run(args, may_relaunch: bool = False) -> int:
         )
         for name, loss in result.get("sources", {}).items():
             print(f"  source {name}: loss {loss:.4f} nats/token")
+    return 0
+
+
+def preference(args, loaded, batches) -> int:
+    """A preference run (train.objective dpo, simpo, orpo): its loss and pair metrics on held-out pairs."""
+    from spmd.io import inference
+
+    result = inference.evaluate_preference(loaded, batches, args.batches or loaded.cfg.train.eval_batches)
+    result["data"] = batches.description
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    against = " against the reference" if result["objective"] == "dpo" else ""
+    print(
+        f"step {result['step']}: {result['objective']} loss {result['loss']:.4f}, reward accuracy "
+        f"{result['rewards/accuracies']:.3f}, reward margin {result['rewards/margins']:.4f}{against}; log-probabilities "
+        f"chosen {result['logps/chosen']:.3f}, rejected {result['logps/rejected']:.3f} ({result['pairs']:,} held-out pairs, "
+        f"{result['tokens']:,} completion tokens in {result['batches']} batches; {result['data']})"
+    )
     return 0
 
 

@@ -104,6 +104,7 @@ class TokenStream:
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
         self.doc_ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
         self.dtype = dtype
+        self.paired = "preference" in manifest  # documents 2i, 2i + 1: a preference pair
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -355,6 +356,9 @@ class Batches:
     val_sources: dict = dataclasses.field(default_factory=dict)
     # UTF-8 bytes of held-out text per token (bits per byte), where the data says; None otherwise.
     val_bytes_per_token: float | None = None
+    # rows of a batch per sample: 2 for preference pairs (spmd.data.preference), whose two
+    # sequences are adjacent rows; global_batch_size and the data position count samples
+    rows_per_sample: int = 1
 
     def resume_at(self, step: int, consumed_samples: int) -> None:
         self.start_step, self.start_sample = step, consumed_samples
@@ -366,17 +370,35 @@ class Batches:
     @functools.cached_property
     def local_rows(self) -> range:
         """Rows of the global batch held by this process's devices (a contiguous range)."""
-        index_map = self.sharding.addressable_devices_indices_map((self.global_batch_size, self.seq_len))
+        n_rows = self.global_batch_size * self.rows_per_sample
+        index_map = self.sharding.addressable_devices_indices_map((n_rows, self.seq_len))
         starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [
-            idx[0].stop if idx[0].stop is not None else self.global_batch_size for idx in index_map.values()
-        ]
+        stops = [idx[0].stop if idx[0].stop is not None else n_rows for idx in index_map.values()]
         return range(min(starts), max(stops))
 
     def _assemble(self, dataset, first: int) -> dict[str, jax.Array]:
-        rows = self.local_rows
+        rows, k = self.local_rows, self.rows_per_sample
+        shape = (self.global_batch_size * k, self.seq_len)
+        if k > 1:  # pairs: (samples, 2, field, T) -> (rows, field, T), then this process's rows
+            lo, hi = rows.start // k, -(-rows.stop // k)
+            windows = np.stack([dataset[first + i] for i in range(lo, hi)])
+            windows = windows.reshape(-1, *windows.shape[2:])[rows.start - lo * k : rows.stop - lo * k]
+            from spmd.data.preference import FIELDS, REFERENCE_FIELD
+
+            out = {
+                name: jax.make_array_from_process_local_data(self.sharding, windows[:, j], shape)
+                for j, name in enumerate(FIELDS)
+            }
+            if windows.shape[1] > len(FIELDS):  # precomputed reference log-probabilities, per row
+                rows_sharding = jax.sharding.NamedSharding(
+                    self.sharding.mesh, jax.sharding.PartitionSpec(self.sharding.spec[0])
+                )
+                values = np.ascontiguousarray(windows[:, len(FIELDS), 0]).view(np.float32)
+                out[REFERENCE_FIELD] = jax.make_array_from_process_local_data(
+                    rows_sharding, values, shape[:1]
+                )
+            return out
         windows = np.stack([dataset[first + r] for r in rows])
-        shape = (self.global_batch_size, self.seq_len)
         if windows.ndim == 3:  # packed: (rows, field, T)
             parts = {name: windows[:, k] for k, name in enumerate(PACKED_FIELDS)}
         else:
@@ -395,15 +417,41 @@ class Batches:
         return self._assemble(dataset, i * self.global_batch_size)
 
     def global_numpy_batch(self, step: int) -> np.ndarray:
-        """The whole global batch of windows for `step`, on the host (for tests and tools)."""
+        """The whole global batch of windows (of pairs) for `step`, on the host (for tests and tools)."""
         first = self.consumed_samples(step)
         return np.stack([self.train[first + r] for r in range(self.global_batch_size)])
 
 
-def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str, held_out: bool = True):
+def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str, held_out: bool = True,
+             objective: str = "lm", precomputed: bool = False):  # fmt: skip
     """(train windows, held-out windows, description, held-out bytes per token or None) of one
     data path; `held_out`: see load_tokens."""
     train_tokens, val_tokens, desc, bytes_per_token = load_tokens(data_cfg, vocab_size, held_out)
+    paired = isinstance(train_tokens, TokenStream) and train_tokens.paired
+    if paired != (objective != "lm"):
+        raise UserError(
+            f"{what} is preference data (prompt/chosen/rejected pairs), which train.objective = dpo, simpo or orpo "
+            f"trains on, not {objective!r}; set train.objective"
+            if paired
+            else f"train.objective = {objective} trains on preference pairs, but {what} is not preference data: "
+            f"prepare prompt/chosen/rejected rows with spmd-data prepare --format preference"
+        )
+    if paired:
+        from spmd.data.preference import PairSource
+
+        if not len(train_tokens.doc_ends):
+            raise UserError(
+                f"{what} holds no training pairs; prepare more rows (or a smaller --val-fraction)"
+            )
+
+        reference = {"train": None, "val": None}
+        if precomputed:
+            from spmd.data.preference import read_reference
+
+            record, reference = read_reference(prepared_dir(data_cfg), what)
+            desc += f"; reference log-probabilities of {record['checkpoint']}"
+        return (PairSource(train_tokens, T, what, reference["train"]), PairSource(val_tokens, T, what, reference["val"]),
+                desc + "; preference pairs, each sequence padded to the window", None)  # fmt: skip
     splits = (
         (("training", train_tokens), ("held-out", val_tokens)) if held_out else (("training", train_tokens),)
     )
@@ -428,6 +476,13 @@ def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str, held_ou
     return WindowSource(train_tokens, T), WindowSource(val_tokens, T), desc, bytes_per_token
 
 
+def precomputed_reference(cfg) -> bool:
+    """Whether the batches carry the reference model's log-probabilities (spmd.data.preference)."""
+    from spmd.data.preference import REFERENCED
+
+    return cfg.train.objective in REFERENCED and cfg.preference.reference == "precomputed"
+
+
 def mixture_order(weights: list[float]) -> grain.MapDataset:
     """Which source each sample of a mixture comes from: grain's deterministic weighted
     interleave, a pure function of the sample index (exact proportions over any stretch)."""
@@ -443,15 +498,16 @@ def make_batches(cfg, sharding, held_out: bool | None = None) -> Batches:
     seed = cfg.train.seed % 2**32
     if not data.sources:
         train_src, val_src, desc, bytes_per_token = _windows(
-            data, cfg.model.vocab_size, T, data.packing, "data.path", held_out
-        )
-        if data.packing == "segments":
+            data, cfg.model.vocab_size, T, data.packing, "data.path", held_out, cfg.train.objective,
+            precomputed_reference(cfg),
+        )  # fmt: skip
+        if data.packing == "segments" and cfg.train.objective == "lm":
             desc += "; packing: segments (no padding)"
         train = grain.MapDataset.source(train_src).shuffle(seed=seed).repeat()
         val = grain.MapDataset.source(val_src).repeat()
         return Batches(
             train, val, cfg.train.global_batch_size, T, sharding, desc, len(train_src), len(val_src),
-            val_bytes_per_token=bytes_per_token,
+            val_bytes_per_token=bytes_per_token, rows_per_sample=1 if cfg.train.objective == "lm" else 2,
         )  # fmt: skip
     # A mixture: each source shuffled with its own seed, then interleaved by weight.
     trains, vals, descs, n_train = [], {}, [], 0
@@ -460,8 +516,9 @@ def make_batches(cfg, sharding, held_out: bool | None = None) -> Batches:
             raise UserError(f"data.sources {src.label!r}: {src.path!r} not found")
         one = dataclasses.replace(data, path=src.path, sources=())
         train_src, val_src, desc, _ = _windows(
-            one, cfg.model.vocab_size, T, data.packing, f"source {src.label!r}", held_out
-        )
+            one, cfg.model.vocab_size, T, data.packing, f"source {src.label!r}", held_out, cfg.train.objective,
+            precomputed_reference(cfg),
+        )  # fmt: skip
         trains.append(grain.MapDataset.source(train_src).shuffle(seed=(seed + k) % 2**32).repeat())
         vals[src.label] = grain.MapDataset.source(val_src).repeat()
         descs.append(f"{src.label} (weight {src.weight:g}): {desc}")
@@ -474,6 +531,7 @@ def make_batches(cfg, sharding, held_out: bool | None = None) -> Batches:
         + (f"; packing: {data.packing}" + (" (no padding)" if data.packing == "segments" else ""))
     )
     first = next(iter(vals.values()))
-    batches = Batches(train, first, cfg.train.global_batch_size, T, sharding, desc, n_train, len(first))
+    batches = Batches(train, first, cfg.train.global_batch_size, T, sharding, desc, n_train, len(first),
+                      rows_per_sample=1 if cfg.train.objective == "lm" else 2)  # fmt: skip
     batches.val_sources = vals
     return batches

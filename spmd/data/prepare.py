@@ -52,11 +52,11 @@ class Options:
     errors: str = "strict"  # how non-UTF-8 text is decoded: strict (an error) | replace
     shard_tokens: int = 1 << 30  # a new shard after this many tokens
     # chat data (spmd.data.chat): .jsonl records with a `messages` list, rendered with a chat template
-    format: str = "text"  # text | chat
+    format: str = "text"  # text | chat | preference (spmd.data.preference: prompt/chosen/rejected rows)
     chat_template: str = ""  # a jinja file; empty: the tokenizer's own (tokenizer_config.json)
     train_on: str = "assistant"  # all | assistant | last
-    seq_len: int = 0  # conversations longer than this many tokens are `overlong` (0: no limit)
-    overlong: str = "drop"  # drop | split (across windows, as text documents are)
+    seq_len: int = 0  # conversations (pairs) longer than this many tokens are `overlong` (0: no limit)
+    overlong: str = "drop"  # chat: drop | split (across windows); preference: keep_end | keep_start | drop
 
 
 CHAT_OPTIONS = ("chat_template", "train_on", "seq_len", "overlong")
@@ -97,6 +97,8 @@ def documents(path: pathlib.Path, opts: Options) -> Iterator:
     """The documents of one input file, in order: texts, or (format chat) message lists."""
     if opts.format == "chat":
         yield from _conversations(path, opts)
+    elif opts.format == "preference":
+        yield from _pairs(path, opts)
     elif path.suffix in (".txt", ".md"):
         yield _decode(path.read_bytes(), path, opts.errors)
     elif path.suffix == ".jsonl":
@@ -149,6 +151,32 @@ def _conversations(path: pathlib.Path, opts: Options) -> Iterator[list]:
         messages = record.get("messages") if isinstance(record, dict) else None
         chat.check_messages(messages, f"{path} line {n}", opts.train_on)
         yield messages
+
+
+def _pairs(path: pathlib.Path, opts: Options) -> Iterator[tuple]:
+    from spmd.data import preference
+
+    if path.suffix == ".jsonl":
+        for n, record in _records(path, opts):
+            yield preference.check_row(record, f"{path} line {n}")
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path} is not a readable parquet file ({e})") from None
+        columns = [c for c in ("prompt", "chosen", "rejected") if c in table.schema_arrow.names]
+        row = 0
+        for batch in table.iter_batches(columns=columns):
+            for record in batch.to_pylist():
+                row += 1
+                yield preference.check_row(record, f"{path} row {row}")
+    else:
+        raise UserError(
+            f"input {str(path)!r}: preference data is .jsonl or .parquet rows with prompt, chosen and rejected"
+        )
 
 
 # The end-of-document token of a tokenizer trained here (id 0): spmd-data prepare ends each
@@ -211,6 +239,14 @@ def inputs_key(files: list[pathlib.Path], tokenizer, opts: Options) -> str:
         from spmd.data import chat
 
         options["chat_template"] = chat.ChatTemplate.load(tokenizer, opts.chat_template).source
+    elif opts.format == "preference":  # conversations render with the template, strings end in its EOS
+        from spmd.data import chat
+
+        try:
+            options["chat_template"] = chat.ChatTemplate.load(tokenizer, opts.chat_template).source
+        except UserError:
+            options["chat_template"] = ""
+        options["special"] = chat.special_tokens(chat.tokenizer_config(tokenizer))
     else:  # keys of text data as they were before chat data existed
         options = {k: v for k, v in options.items() if k not in CHAT_OPTIONS and k != "format"}
     h = hashlib.sha256(json.dumps([FORMAT, tokenizer.sha256, options]).encode())
@@ -242,6 +278,15 @@ def _encode(documents: list) -> list:
 def encoder(tokenizer, opts: Options):
     """documents -> [(token ids, loss mask or None, UTF-8 bytes of the text)]: texts end in the
     tokenizer's EOS where it has one; conversations are exactly what their template renders."""
+    if opts.format == "preference":
+        from spmd.data import preference
+
+        encode_pair = preference.encoder(tokenizer, opts.chat_template)
+
+        def encode(rows):
+            return [(encode_pair(row), None, sum(_utf8_size(part) for part in row)) for row in rows]
+
+        return encode
     if opts.format == "chat":
         from spmd.data import chat
 
@@ -267,6 +312,13 @@ def encoder(tokenizer, opts: Options):
         return out
 
     return encode
+
+
+def _utf8_size(part) -> int:
+    """UTF-8 bytes of a string, or of a message list's contents."""
+    if isinstance(part, str):
+        return len(part.encode("utf-8", "surrogatepass"))
+    return sum(len(str(m.get("content", "")).encode("utf-8", "surrogatepass")) for m in part)
 
 
 def _chunks(files, opts) -> Iterator[list[str]]:
@@ -358,11 +410,21 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
         raise UserError(f"--errors must be strict or replace, got {opts.errors!r}")
     if not 0 <= opts.val_fraction < 1:
         raise UserError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
-    if opts.format not in ("text", "chat"):
-        raise UserError(f"--format must be text or chat, got {opts.format!r}")
-    if opts.format != "chat" and (opts.chat_template or opts.train_on != "assistant"):
+    from spmd.data.preference import OVERLONG
+
+    if opts.format not in ("text", "chat", "preference"):
+        raise UserError(f"--format must be text, chat or preference, got {opts.format!r}")
+    if opts.format == "text" and opts.chat_template or opts.format != "chat" and opts.train_on != "assistant":
         raise UserError("--chat-template and --train-on are for chat data: add --format chat")
-    if opts.train_on not in ("all", "assistant", "last") or opts.overlong not in ("drop", "split"):
+    if opts.format == "preference" and opts.overlong not in OVERLONG:
+        raise UserError(
+            f"--overlong for preference data must be {', '.join(OVERLONG)}, got {opts.overlong!r}"
+        )
+    if (
+        opts.train_on not in ("all", "assistant", "last")
+        or opts.format == "chat"
+        and opts.overlong not in ("drop", "split")
+    ):
         raise UserError("--train-on must be all, assistant or last, and --overlong drop or split")
     if opts.seq_len < 0:
         raise UserError(f"--seq-len must be >= 0 (0: no limit), got {opts.seq_len}")
@@ -469,10 +531,16 @@ def _remove_stale_temporaries(out_dir: pathlib.Path) -> None:
 def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, progress: bool) -> dict:
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    chat = opts.format == "chat"
-    writers = {s: _ShardWriter(directory, s, dtype, opts.shard_tokens, masked=chat) for s in ("train", "val")}
+    from spmd.data import preference
+
+    chat, pairs = opts.format == "chat", opts.format == "preference"
+    writers = {
+        s: _ShardWriter(directory, s, dtype, opts.shard_tokens, masked=chat or pairs)
+        for s in ("train", "val")
+    }
     eos = tokenizer.eos_id
-    overlong = {"split": 0, "dropped": 0}
+    overlong = {"truncated": 0, "dropped": 0} if pairs else {"split": 0, "dropped": 0}
+    n_pairs = {"train": 0, "val": 0}
     started = time.perf_counter()
     columns = [TextColumn("{task.fields[docs]:,} documents  {task.fields[toks]:,} tokens  "
                           "{task.fields[dps]:,.0f} documents/s  {task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn()]  # fmt: skip
@@ -503,6 +571,23 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
                 chunk = pending.popleft()
                 ahead.release()
                 for document, (ids, mask, n_bytes) in zip(chunk, encoded):
+                    if pairs:  # ids: the two sequences of one pair, written together
+                        pair, cut = preference.fit(ids, opts.seq_len, opts.overlong)
+                        if pair is None:
+                            overlong["dropped"] += 1
+                            continue
+                        overlong["truncated"] += cut
+                        split = (
+                            "val"
+                            if in_val(
+                                json.dumps(document, sort_keys=True, ensure_ascii=False), opts.val_fraction
+                            )
+                            else "train"
+                        )
+                        for sequence, completion in pair:
+                            writers[split].add(sequence, n_bytes // 2, completion)
+                        n_pairs[split] += 1
+                        continue
                     if len(ids) == 0:
                         continue
                     if opts.seq_len and len(ids) > opts.seq_len:
@@ -540,6 +625,17 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
         },  # fmt: skip
         "dtype": np.dtype(dtype).name,
         **({"chat": _chat_record(tokenizer, opts, overlong)} if chat else {}),
+        **(
+            {
+                "preference": {
+                    "pairs": n_pairs,
+                    "seq_len": opts.seq_len,
+                    "overlong": {"policy": opts.overlong, **overlong},
+                }
+            }
+            if pairs
+            else {}
+        ),
         "documents": sum(s["documents"] for s in splits.values()),
         "tokens": sum(s["tokens"] for s in splits.values()),
         "splits": splits,

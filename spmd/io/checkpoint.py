@@ -597,11 +597,14 @@ def starting_weights(run: dict, abstract_params, fresh, where: str):
     return restore_weights(directory, step, abstract_params, fresh)[0]
 
 
-def frozen_of(trainer, meta: dict, where: str):
-    """The frozen part of a train state (`state["frozen"]`) restored from a checkpoint with
-    `meta`: the weights its run started from, in the dtype the trainer holds them in."""
+def unsaved_of(trainer, meta: dict, where: str) -> dict:
+    """The parts of a train state checkpoints do not hold (Trainer.unsaved: the frozen
+    parameters, a preference objective's reference model) for a checkpoint with `meta`: from the
+    weights its run started from, in the dtypes the trainer holds them in ({} where there are none)."""
+    if not trainer.unsaved:
+        return {}
     weights = starting_weights(meta.get("run", {}), trainer.abstract_weights, trainer.fresh_weights, where)
-    return trainer.frozen_from(weights)
+    return trainer.unsaved_from(weights)
 
 
 def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -> tuple[dict, dict]:

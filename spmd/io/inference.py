@@ -23,7 +23,7 @@ from spmd.core.rules import load_rules
 from spmd.io import checkpoint as ckpt
 from spmd.parallel.sharding import path_str
 from spmd.training import transform
-from spmd.training.trainer import held_out_by_source
+from spmd.training.trainer import held_out_by_source, preference_held_out
 
 
 @dataclasses.dataclass
@@ -56,11 +56,12 @@ def default_rules(meta: dict) -> str:
 
 
 def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, overrides=(),
-         batch: int | None = None, decoding: bool = False) -> Loaded:  # fmt: skip
+         batch: int | None = None, decoding: bool = False, objective: bool = False) -> Loaded:  # fmt: skip
     """Restore a checkpoint's parameters (never its optimizer state) onto `mesh_spec` x rules
     (default: the run's own rules). `batch`: the batch the steps are compiled for (default the
     run's global batch; 0: the smallest the mesh splits). `decoding`: for KV-cache generation
-    (see Rules.for_decoding)."""
+    (see Rules.for_decoding). `objective`: keep the run's train.objective (its eval step scores
+    preference pairs); otherwise the model is loaded as a language model."""
     directory, latest = ckpt.locate(path)
     if step is not None:
         if step not in ckpt.committed_steps(directory):
@@ -72,6 +73,8 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
     meta = ckpt.check_meta(directory, latest, ckpt.read_meta(directory, latest), ("run",))
     # A run with model transforms is evaluated and sampled as its merged model (adapters folded in).
     cfg = transform.plain(config_from_json(meta["run"]["config"]))
+    if not objective:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, objective="lm"))
     setup = assemble(
         cfg,
         mesh_spec,
@@ -104,6 +107,84 @@ def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
     if sources:
         result["sources"] = sources
     return result
+
+
+def reference(loaded: Loaded):
+    """The reference model of a preference run (its starting weights: the `--init-from`
+    checkpoint, else its seed) on the loaded model's mesh, or None for an objective without one."""
+    from spmd.training import preference
+
+    if not preference.needs_reference(loaded.cfg.train.objective):
+        return None
+    plan = loaded.plan
+
+    def fresh(seed):
+        return jax.jit(lambda: plan.init_params(seed), out_shardings=plan.param_shardings)()
+
+    weights = ckpt.starting_weights(loaded.meta.get("run", {}), plan.abstract_params, fresh,
+                                    f"the run of checkpoint step {loaded.step}")  # fmt: skip
+    return plan.from_canonical(weights, plan.param_shardings)
+
+
+def evaluate_preference(loaded: Loaded, batches, n_batches: int) -> dict:
+    """A preference run's held-out loss and pair metrics (reward accuracy and margins against its
+    reference, the policy's log-probabilities: spmd.training.preference) over `n_batches` batches."""
+    found = preference_held_out(loaded.setup.eval_step, loaded.params, batches, n_batches, reference(loaded))
+    return {"step": loaded.step, "objective": loaded.cfg.train.objective, "batches": n_batches, **found}
+
+
+def write_reference(loaded: Loaded, data_dir: str) -> dict:
+    """The loaded model's log-probability of each completion of the prepared preference pairs in
+    `data_dir` (both splits, in document order), written beside them for a DPO run with
+    preference.reference = precomputed (spmd.data.preference.write_reference); returns its record."""
+    from spmd.data import preference as pairs
+    from spmd.data.loader import TokenStream
+    from spmd.data.prepare import read_manifest
+    from spmd.training import preference
+    from spmd.training.trainer import forward_ce
+
+    directory = pathlib.Path(data_dir)
+    manifest = read_manifest(directory)
+    if "preference" not in manifest:
+        raise UserError(
+            f"--write-reference: {data_dir!r} is not preference data (spmd-data prepare --format preference)"
+        )
+    plan, T = loaded.plan, loaded.cfg.train.seq_len
+    rows = loaded.cfg.train.global_batch_size  # pairs per call: two rows each
+    sharding = plan.batch_sharding
+
+    @jax.jit
+    def logps(params, batch):
+        with plan.activate():
+            ce_BT = forward_ce(plan.graphdef, params, batch["inputs"], batch["targets"], None, None, None,
+                               loaded.setup.choices.fused_loss)[0]  # fmt: skip
+        return preference.row_sums(ce_BT, batch["loss_mask"], batch["target_mask"])[0]
+
+    found = {}
+    for split in ("train", "val"):
+        source = pairs.PairSource(TokenStream(directory, manifest, split), T, f"{data_dir!r} ({split})")
+        values = []
+        for first in range(0, len(source), rows):
+            chunk = [
+                source[min(i, len(source) - 1)] for i in range(first, first + rows)
+            ]  # the last one padded
+            windows = np.stack(chunk).reshape(2 * rows, *chunk[0].shape[1:])
+            batch = {
+                name: jax.device_put(windows[:, j], sharding) for j, name in enumerate(preference.FIELDS)
+            }
+            values.append(
+                np.asarray(logps(loaded.params, batch))[: 2 * (min(first + rows, len(source)) - first)]
+            )
+        found[split] = np.concatenate(values) if values else np.zeros(0, np.float32)
+    directory_of, _ = ckpt.locate(str(loaded.run_dir)) if loaded.run_dir else (None, None)
+    record = {
+        "checkpoint": str((directory_of / str(loaded.step)).resolve()) if directory_of else "",
+        "step": loaded.step,
+        "data_key": manifest.get("key"),
+        "sequences": {split: len(v) for split, v in found.items()},
+    }
+    pairs.write_reference(directory, record, found)
+    return record
 
 
 def batch_multiple(loaded: Loaded) -> int:

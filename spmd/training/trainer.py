@@ -15,13 +15,17 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd.core.errors import UserError
 from spmd.parallel import context, dataparallel, memory
 from spmd.parallel import sharding as sharding_lib
 from spmd.platform import cpu_matmul
-from spmd.training import transform
+from spmd.training import preference, transform
 from spmd.training.loss import cross_entropy
 from spmd.training.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
+# Parts of a train state that checkpoints do not hold: the frozen parameters and the reference
+# model of a preference objective are both the weights the run started from.
+NOT_SAVED = ("frozen", "reference")
 Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32, ...} (batch_keys)
 
 
@@ -30,7 +34,16 @@ def batch_keys(cfg) -> tuple[str, ...]:
     token's segment id, position in its document, and whether its target counts."""
     from spmd.data.loader import PACKED_FIELDS
 
+    if cfg.train.objective != "lm":  # pairs of sequences (spmd.training.preference)
+        return preference.batch_fields(cfg)
     return PACKED_FIELDS if cfg.data.packing == "segments" else ("inputs", "targets")
+
+
+def batch_shardings(cfg, plan) -> dict:
+    """The sharding of each array of a batch: rows over the batch axes, tokens as the rules say;
+    a per-row vector (precomputed reference log-probabilities) over the batch axes alone."""
+    rows = NamedSharding(plan.mesh, PartitionSpec(plan.batch_sharding.spec[0]))
+    return {k: rows if k == preference.REFERENCE_FIELD else plan.batch_sharding for k in batch_keys(cfg)}
 
 
 def token_losses(
@@ -62,15 +75,9 @@ def token_losses(
         else:
             positions_BT, segment_ids_BT = positions_BT[:, seq_perm], segment_ids_BT[:, seq_perm]
             loss_mask_BT = loss_mask_BT[:, seq_perm]
-    logits_BTV, _, aux = nnx.merge(graphdef, params).forward(
-        inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
+    ce_BT, lse_BT, logits_BTV, aux = forward_ce(
+        graphdef, params, inputs_BT, targets_BT, positions_BT, segment_ids_BT, order_BT, fused_loss
     )
-    lse_BT = None
-    if fused_loss:
-        ce_BT, lse_BT = cross_entropy(logits_BTV, targets_BT)
-    else:
-        logits_BTV = logits_BTV.astype(jnp.float32)
-        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
     mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
     if loss_mask_BT is not None:
         mask_BT = mask_BT & (loss_mask_BT != 0)
@@ -93,6 +100,53 @@ def token_losses(
     sums = {**{name: m * count for name, m in means.items()}, **aux.sums}
     total = ce_sum + z_sum + (weighted * count if weighted is not None else 0.0)
     return total, (ce_sum, z_sum, count, sums)
+
+
+def forward_ce(graphdef, params, inputs_BT, targets_BT, positions_BT, segment_ids_BT, order_BT, fused_loss):
+    """(cross-entropy (B, T) float32, its logsumexp or None, the logits, the model's aux) of one
+    forward pass; `fused_loss`: see token_losses."""
+    logits_BTV, _, aux = nnx.merge(graphdef, params).forward(
+        inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
+    )
+    if fused_loss:
+        ce_BT, lse_BT = cross_entropy(logits_BTV, targets_BT)
+        return ce_BT, lse_BT, logits_BTV, aux
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT), None, logits_BTV, aux
+
+
+def preference_losses(
+    graphdef, params, batch: Batch, *, objective: str, settings, reference=None, seq_perm=None,
+    aux_weights=None, fused_loss: bool = False,
+):  # fmt: skip
+    """token_losses for a preference objective (spmd.training.preference): (summed loss over the
+    batch's pairs, (that sum, 0, pairs, {metric sums, the model's aux sums, "tokens": completion
+    tokens})). `reference`: the reference model's parameters (same tree as `params`) for
+    objectives that score against one; its forward pass is not differentiated."""
+    fields = {k: batch[k] for k in preference.FIELDS}
+    positions_BT = order_BT = None
+    ref_logps = batch.get(preference.REFERENCE_FIELD)  # precomputed, one per row
+    if seq_perm is not None:
+        fields = {k: v[:, seq_perm] for k, v in fields.items()}
+        positions_BT = jnp.broadcast_to(jnp.asarray(seq_perm, jnp.int32), fields["inputs"].shape)
+
+    def rows(p):
+        ce_BT, _, _, aux = forward_ce(graphdef, p, fields["inputs"], fields["targets"], positions_BT, None,
+                                      order_BT, fused_loss)  # fmt: skip
+        return preference.row_sums(ce_BT, fields["loss_mask"], fields["target_mask"]), aux
+
+    policy, aux = rows(params)
+    if reference is not None:
+        ref_logps = jax.lax.stop_gradient(rows(jax.lax.stop_gradient(reference))[0][0])
+    total, pairs, sums = preference.pair_sums(objective, settings, policy, ref_logps)
+    sums["tokens"] = jnp.sum(policy[1])
+    if aux is not None:
+        means = {name: jnp.mean(v) for name, v in aux.losses.items()}
+        for name, weight in (aux_weights or {}).items():
+            total = total + weight * means[name] * pairs
+        sums.update({name: m * pairs for name, m in means.items()})
+        sums.update(aux.sums)
+    return total, (total, jnp.zeros((), jnp.float32), pairs, sums)
 
 
 @dataclasses.dataclass
@@ -124,22 +178,34 @@ class Trainer:
         """The whole model's parameters in a train state: `params`, with the `frozen` ones beside."""
         return transform.combine(state["params"], state["frozen"]) if "frozen" in state else state["params"]
 
+    def reference_params(self, state) -> dict | None:
+        """The reference model's parameters (a tree like `model_params`) for an objective that
+        scores against one (spmd.training.preference), else None: the state's `reference` copy,
+        or under a transform the frozen base with the transform off (no copy)."""
+        return reference_params(self.cfg, self.partition, state)
+
+    @property
+    def unsaved(self) -> tuple[str, ...]:
+        """The parts of the state checkpoints do not hold: they are the weights the run started
+        from (spmd.io.checkpoint.unsaved_of restores them)."""
+        return tuple(k for k in NOT_SAVED if k in self.state_shardings)
+
     def to_canonical(self, state):
         """The train state as checkpoints hold it: its layer stacks in canonical order (new arrays
         under a circular pipeline's permuted storage, the arrays themselves otherwise), without the
-        frozen parameters (they are the weights the run started from: spmd.io.checkpoint)."""
-        saved = {k: v for k, v in state.items() if k != "frozen"}
+        frozen parameters and the reference model (`unsaved`)."""
+        saved = {k: v for k, v in state.items() if k not in NOT_SAVED}
         return self.plan.to_canonical(saved, {k: self.state_shardings[k] for k in saved})
 
-    def from_canonical(self, state, frozen=None):
-        """The inverse of `to_canonical` (after a restore), with the `frozen` parameters put back."""
+    def from_canonical(self, state, unsaved: dict | None = None):
+        """The inverse of `to_canonical` (after a restore), with the `unsaved` parts put back."""
         state = self.plan.from_canonical(state, {k: self.state_shardings[k] for k in state})
-        return state if frozen is None else {**state, "frozen": frozen}
+        return {**state, **(unsaved or {})}
 
     @functools.cached_property
     def abstract_saved(self):
-        """`abstract_state` as checkpoints hold it (without the frozen parameters): a restore target."""
-        return {k: v for k, v in self.abstract_state.items() if k != "frozen"}
+        """`abstract_state` as checkpoints hold it (without the `unsaved` parts): a restore target."""
+        return {k: v for k, v in self.abstract_state.items() if k not in NOT_SAVED}
 
     @functools.cached_property
     def abstract_weights(self):
@@ -158,6 +224,16 @@ class Trainer:
         frozen = self.partition.split(weights)[1]
         want = self.abstract_state["frozen"]
         return jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), frozen, want)
+
+    def unsaved_from(self, weights) -> dict:
+        """The state's `unsaved` parts from the weights the run started from (canonical order, as
+        a checkpoint restores them)."""
+        out = {}
+        if "frozen" in self.state_shardings:
+            out["frozen"] = self.frozen_from(weights)
+        if "reference" in self.state_shardings:
+            out["reference"] = self.plan.from_canonical(weights, self.state_shardings["reference"])
+        return out
 
     @functools.cached_property
     def abstract_state(self):
@@ -182,9 +258,11 @@ class Trainer:
             lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), trained, self.update_shardings
         )
         frozen = sharding_lib.tree_bytes_per_device(self.abstract_state.get("frozen", {}))
+        reference = sharding_lib.tree_bytes_per_device(self.abstract_state.get("reference", {}))
         return {
-            "params": sharding_lib.tree_bytes_per_device(trained) + frozen,
+            "params": sharding_lib.tree_bytes_per_device(trained) + frozen + reference,
             "frozen_params": frozen,
+            "reference_params": reference,
             "gradients": sharding_lib.tree_bytes_per_device(grads),
             "optimizer_state": sum(by.values()),
             "optimizer_state_on_host": sum(v for k, v in by.items() if k.endswith(memory.HOST)),
@@ -192,8 +270,11 @@ class Trainer:
         }
 
     def abstract_batch(self, batch: int, seq_len: int) -> Batch:
+        shardings = batch_shardings(self.cfg, self.plan)
         return {
-            name: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=self.plan.batch_sharding)
+            name: jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=shardings[name])
+            if name == preference.REFERENCE_FIELD
+            else jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=shardings[name])
             for name in batch_keys(self.cfg)
         }
 
@@ -220,10 +301,33 @@ def optimizer_shardings(plan, abstract_trained, opt_shapes):
     return opt_shardings, update_shardings
 
 
-def accumulated(value_and_grad, k: int, micro_sharding, flat_axes):
+def reference_params(cfg, partition: transform.Partition, state) -> dict | None:
+    """See Trainer.reference_params."""
+    if not preference.reference_model(cfg):
+        return None
+    if "reference" in state:
+        return state["reference"]
+    return transform.combine(partition.off(state["params"]), state["frozen"])
+
+
+def check_reference(partition: transform.Partition, plan) -> None:
+    """A preference objective's reference needs the model the run started from: under a model
+    transform, the frozen base with the transform off, which exists only when everything that
+    trains is something the transform added and can turn off."""
+    if partition.freezes and jax.eval_shape(partition.off, partition.split(plan.abstract_params)[0]) is None:
+        raise UserError(
+            "train.objective = dpo scores against the model the run started from, but the model transform "
+            "trains parameters it cannot turn off, so that model is not in the train state; use "
+            "train.objective = simpo or orpo (no reference), or train without the transform"
+        )
+
+
+def accumulated(value_and_grad, k: int, micro_sharding, flat_axes, group: int = 1):
     """(params, batch, key) -> (gradients, sums) of `value_and_grad(params, batch, key_i)` over the
     batch's k microbatches, summed (a scan; one call when k is 1). Microbatch i takes rows i, i+k,
-    i+2k, ...: the reshape keeps each device's rows on that device, so splitting moves no data."""
+    i+2k, ...: the reshape keeps each device's rows on that device, so splitting moves no data.
+    `group`: rows that stay together (a preference pair's two sequences), taken as one row."""
+    micro_rows = NamedSharding(micro_sharding.mesh, PartitionSpec(*micro_sharding.spec[:2]))
 
     def one(params, batch, key, i):
         (_, sums), grads = value_and_grad(params, batch, None if key is None else jax.random.fold_in(key, i))
@@ -234,15 +338,23 @@ def accumulated(value_and_grad, k: int, micro_sharding, flat_axes):
             return one(params, batch, key, 0)
 
         def split(x_BT):
+            if x_BT.ndim == 1:  # one value per row
+                B = x_BT.shape[0]
+                x_kb = x_BT.reshape(B // (k * group), k, group).swapaxes(0, 1).reshape(k, B // k)
+                return x_kb if flat_axes else jax.lax.with_sharding_constraint(x_kb, micro_rows)
             B, T = x_BT.shape
-            x_kbT = x_BT.reshape(B // k, k, T).swapaxes(0, 1)
+            if group == 1:
+                x_kbT = x_BT.reshape(B // k, k, T).swapaxes(0, 1)
+            else:
+                x_kbT = x_BT.reshape(B // (k * group), k, group, T).swapaxes(0, 1).reshape(k, B // k, T)
             return x_kbT if flat_axes else jax.lax.with_sharding_constraint(x_kbT, micro_sharding)
 
         def add(carry, microbatch):
             grads, sums = one(params, *microbatch[:1], key, microbatch[1])
             return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
-        sums_shape = jax.eval_shape(lambda: one(params, jax.tree.map(lambda x: x[::k], batch), key, 0)[1])
+        first = jax.tree.map(lambda x: x[: x.shape[0] // k], batch)  # shaped as one microbatch
+        sums_shape = jax.eval_shape(lambda: one(params, first, key, 0)[1])
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         if flat_axes:  # per device in a shard_map: the carry varies over the data axes, as the sums do
             zero_sums = jax.lax.pcast(zero_sums, flat_axes, to="varying")
@@ -280,6 +392,11 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     }
     if partition.freezes:
         state_shardings["frozen"] = partition.split(plan.param_shardings)[1]
+    objective, settings = tcfg.objective, cfg.preference
+    if preference.reference_model(cfg):
+        check_reference(partition, plan)
+        if not partition.freezes:  # a frozen copy of the starting weights; a transform's is its base
+            state_shardings["reference"] = plan.param_shardings
     frozen_dtype = jnp.dtype(partition.frozen_dtype or cfg.model.param_dtype)
 
     def from_params(weights):
@@ -292,14 +409,22 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
         state = {"params": trained, "opt_state": tx.init(trained), "step": jnp.zeros((), jnp.int32)}
         if partition.freezes:
             state["frozen"] = jax.tree.map(lambda x: x.astype(frozen_dtype), frozen)
+        if "reference" in state_shardings:
+            state["reference"] = weights
         return state
 
     seq_perm = context.seq_permutation(plan.rules, mesh, tcfg.seq_len)
     family = plan.family
     aux_weights = family.aux_weights(cfg.model)
 
-    def losses_of(params, batch, frozen=None, key=None):
+    def losses_of(params, batch, frozen=None, key=None, reference=None):
         with partition.step_context(key):
+            if objective != "lm":
+                return preference_losses(
+                    graphdef, params if frozen is None else transform.combine(params, frozen), batch,
+                    objective=objective, settings=settings, reference=reference, seq_perm=seq_perm,
+                    aux_weights=aux_weights, fused_loss=choices.fused_loss,
+                )  # fmt: skip
             return token_losses(
                 graphdef, params if frozen is None else transform.combine(params, frozen), batch,
                 z_loss=tcfg.z_loss, mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm,
@@ -312,14 +437,18 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     dense = not family.aux_weights(cfg.model)
     flat_axes = (
         None
-        if partition.freezes
+        if partition.freezes or objective != "lm"
         else dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
     )
 
     def train_step(state, batch: Batch, max_loss=None):
         frozen = state.get("frozen")
-        value_and_grad = jax.value_and_grad(lambda p, b, key: losses_of(p, b, frozen, key), has_aux=True)
-        grads_and_sums = accumulated(value_and_grad, tcfg.microbatches, micro_sharding, flat_axes)
+        reference = reference_of(state)
+        value_and_grad = jax.value_and_grad(
+            lambda p, b, key: losses_of(p, b, frozen, key, reference), has_aux=True
+        )
+        group = 1 if objective == "lm" else 2  # a pair's two sequences stay in one microbatch
+        grads_and_sums = accumulated(value_and_grad, tcfg.microbatches, micro_sharding, flat_axes, group)
         if flat_axes:
             summed = dataparallel.summed_over(grads_and_sums, mesh, flat_axes, plan.batch_sharding.spec)
             with plan.lowered():
@@ -334,16 +463,22 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
             state, grads, sums, max_loss, tx, opt_shardings, update_shardings, offload
         )
         metrics["learning_rate"] = schedule(state["step"])
-        metrics["aux"] = family.aux_metrics(sums[3], sums[2]) if sums[3] else {}  # the model's own, by name
-        if frozen is not None:
-            new_state["frozen"] = frozen  # passed through (donated, so not copied)
+        if objective != "lm":  # the pair metrics (TRL's names), means over the pairs
+            metrics["aux"] = {**preference.means(sums[3], sums[2]), **family.aux_metrics(sums[3], sums[2])}
+            metrics["tokens"] = sums[3]["tokens"]
+        else:
+            metrics["aux"] = family.aux_metrics(sums[3], sums[2]) if sums[3] else {}  # the model's own
+        for name in NOT_SAVED:  # passed through (donated, so not copied)
+            if name in state:
+                new_state[name] = state[name]
         return new_state, metrics
 
-    batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
+    def reference_of(state):
+        return reference_params(cfg, partition, state)
 
     def jit_step(*extra):
         return cpu_matmul.jit(
-            train_step, choices.matmul, in_shardings=(state_shardings, batch_shardings, *extra),
+            train_step, choices.matmul, in_shardings=(state_shardings, batch_shardings(cfg, plan), *extra),
             out_shardings=(state_shardings, plan.replicated), donate_argnums=0,
             compiler_options=choices.train_options,
         )  # fmt: skip
@@ -406,8 +541,12 @@ def apply_update(state, grads, sums, max_loss, tx, opt_shardings, update_shardin
 
 def build_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
     """Jitted (params, batch) -> (summed cross-entropy, counted tokens): needs no optimizer, so
-    evaluation and sampling build only this."""
+    evaluation and sampling build only this. For a preference objective, (params, batch,
+    reference) -> (summed loss, pairs, {metric sums}), `reference` None where the objective
+    has none (spmd.training.preference)."""
     rules, mesh = plan.rules, plan.mesh
+    if cfg.train.objective != "lm":
+        return build_preference_eval_step(cfg, plan, choices)
 
     def eval_step(params, batch: Batch):
         with plan.activate():
@@ -422,13 +561,52 @@ def build_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
             )
         return ce_sum, count
 
-    batch_shardings = dict.fromkeys(batch_keys(cfg), plan.batch_sharding)
     return cpu_matmul.jit(
         eval_step,
         choices.matmul,
-        in_shardings=(plan.param_shardings, batch_shardings),
+        in_shardings=(plan.param_shardings, batch_shardings(cfg, plan)),
         out_shardings=plan.replicated,
     )
+
+
+def build_preference_eval_step(cfg, plan: sharding_lib.ShardingPlan, choices):
+    objective = cfg.train.objective
+
+    def eval_step(params, batch: Batch, reference=None):
+        with plan.activate():
+            _, (loss_sum, _, pairs, sums) = preference_losses(
+                plan.graphdef, params, batch, objective=objective, settings=cfg.preference,
+                reference=reference, seq_perm=context.seq_permutation(plan.rules, plan.mesh, batch["inputs"].shape[1]),
+                fused_loss=choices.fused_loss,
+            )  # fmt: skip
+        return loss_sum, pairs, sums
+
+    with_reference = preference.reference_model(cfg)
+    jitted = cpu_matmul.jit(
+        eval_step if with_reference else (lambda params, batch: eval_step(params, batch)),
+        choices.matmul,
+        in_shardings=(plan.param_shardings, batch_shardings(cfg, plan), *((plan.param_shardings,) if with_reference else ())),
+        out_shardings=plan.replicated,
+    )  # fmt: skip
+    return jitted if with_reference else (lambda params, batch, reference=None: jitted(params, batch))
+
+
+def preference_held_out(eval_step, params, batches, n_batches: int, reference=None) -> dict:
+    """{"loss", "pairs", and each pair metric}: means over the pairs of the first `n_batches`
+    held-out batches."""
+    total, pairs, sums = 0.0, 0.0, {}
+    for i in range(n_batches):
+        loss_sum, n, metric_sums = eval_step(params, batches.eval_batch(i), reference)
+        total, pairs = total + float(loss_sum), pairs + float(n)
+        for name, value in metric_sums.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    means = preference.means(sums, max(pairs, 1.0))
+    return {
+        "loss": total / max(pairs, 1.0),
+        "pairs": int(pairs),
+        "tokens": int(sums.get("tokens", 0)),
+        **means,
+    }
 
 
 def held_out_sums(
@@ -462,9 +640,16 @@ def held_out_by_source(eval_step, params, batches, n_batches: int) -> tuple[floa
     return total, count, per_source
 
 
-def evaluate_all(trainer: Trainer, params, batches) -> dict[str, float]:
+def evaluate_all(trainer: Trainer, params, batches, reference=None) -> dict[str, float]:
     """{"eval_loss": ...}; for a mixture, eval_loss/<name> per source over `eval_batches` batches
-    of each, and eval_loss their mean per counted token."""
+    of each, and eval_loss their mean per counted token. A preference objective: its mean loss
+    over the held-out pairs and eval_<metric> for its pair metrics (`reference`: the reference
+    model's parameters, where it has one)."""
+    if trainer.cfg.train.objective != "lm":
+        found = preference_held_out(
+            trainer.eval_step, params, batches, trainer.cfg.train.eval_batches, reference
+        )
+        return {"eval_loss": found["loss"], **{f"eval_{k}": v for k, v in found.items() if "/" in k}}
     total, count, per_source = held_out_by_source(
         trainer.eval_step, params, batches, trainer.cfg.train.eval_batches
     )

@@ -74,6 +74,11 @@ class ModelTransform(abc.ABC):
         """Entered while one microbatch of the train step traces, with its key (or None)."""
         return contextlib.nullcontext()
 
+    def off(self, path: Path, value):
+        """The value of the added parameter at `path` that turns the transform off (the model
+        computes as if it were not there), or None where no such value exists."""
+        return None
+
     @abc.abstractmethod
     def merged(self, params: Mapping) -> dict:
         """The model's parameters without the transform (for evaluation, sampling and export)."""
@@ -177,6 +182,24 @@ class Partition:
     def without_added(self, tree: Mapping) -> dict:
         """The tree without the parameters the transforms added: the model a run starts from."""
         return split_tree(tree, self.adds)[1] if self.freezes else tree
+
+    def off(self, trained: Mapping):
+        """`trained` (the trained half of a tree) with every transform turned off: with the frozen
+        half, the model the run started from, without a copy of it (a preference objective's
+        reference). None where a trained parameter has no such value (it is not one the
+        transforms added, or its transform has no off state)."""
+        import jax
+
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(trained)
+        out = []
+        for path, leaf in leaves:
+            keys = tuple(getattr(k, "key", k) for k in path)
+            owner = next((t for t in self.transforms if t.adds(keys)), None)
+            value = None if owner is None else owner.off(keys, leaf)
+            if value is None:
+                return None
+            out.append(value)
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     @property
     def frozen_dtype(self) -> str:

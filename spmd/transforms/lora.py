@@ -76,6 +76,10 @@ class LoRA(transform.ModelTransform):
     def step_context(self, key):
         return dropout_key(key)
 
+    def off(self, path, value):
+        # zero adapters add x A B = 0: exactly the base model, whatever A is
+        return jax.numpy.zeros_like(value)
+
     def merged(self, params: Mapping) -> dict:
         return merged(params, self.settings.scale)
 
