@@ -97,7 +97,8 @@ def train(
     lock = runlock.acquire(run_dir)
     try:
         lost = prepare_run_dir(run_dir, start.step, overwrite, is_main)
-        origin = init["record"] if init else start.init_from
+        # where the weights came from, pinned: a fresh run's seed, or the checkpoint it started from
+        origin = init["record"] if init else start.init_from or {"seed": setup.cfg.train.seed}
         resolved = describe_run(setup, batches, run_dir, start.notes, is_main, origin, recorded)
         if is_main:
             keep_tokenizer(tokenizer, run_dir)
@@ -122,7 +123,7 @@ def check_precomputed_reference(cfg, origin: dict | None) -> None:
     if origin is None or origin.get("path") != record.get("checkpoint"):
         raise UserError(
             f"the reference log-probabilities beside {directory} were written by {record.get('checkpoint') or 'an unknown run'}, "
-            f"but this run starts from {origin.get('path') if origin else 'its seed'}: DPO's reference is the model a "
+            f"but this run starts from {(origin or {}).get('path') or 'its seed'}: DPO's reference is the model a "
             f"run starts from; pass that checkpoint to --init-from, or write them again with spmd-eval --run-dir "
             f"<the --init-from run> --data {directory} --write-reference"
         )
@@ -133,15 +134,32 @@ def check_precomputed_reference(cfg, origin: dict | None) -> None:
         )
 
 
+def held_out_note(cfg, batches) -> list[str]:
+    """A warning line where evaluation would score the same held-out batch more than once."""
+    distinct = batches.n_val_windows // batches.global_batch_size
+    if not cfg.train.eval_every or batches.val_sources or cfg.train.eval_batches <= max(distinct, 1):
+        return []
+    return [
+        f"warning: train.eval_batches = {cfg.train.eval_batches} but the held-out split holds {max(distinct, 1)} "
+        f"distinct batch(es) of {batches.global_batch_size} x {batches.seq_len}: evaluation scores the same "
+        f"windows repeatedly; lower train.eval_batches or hold out more data"
+    ]
+
+
 def init_source(path: str) -> dict:
     """Where a run that starts from another checkpoint's parameters (`--init-from`) takes them:
     its config (the new run's default), where it lies, and what the new run records of it
     (including the Hugging Face config it was imported from, for export)."""
     directory, step = ckpt.locate(path)
-    run = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run",))["run"]
+    meta = ckpt.check_meta(directory, step, ckpt.read_meta(directory, step), ("run",))
+    run = meta["run"]
     # absolute: a run with frozen parameters finds them there again when resumed from another
     # working directory
-    record = {"path": str((directory / str(step)).resolve()), "step": step}
+    record = {
+        "path": str((directory / str(step)).resolve()),
+        "step": step,
+        "digest": ckpt.params_digest(meta),
+    }
     origin = run.get("hf") or run.get("init_from", {}).get("hf")
     if origin:
         record["hf"] = origin
@@ -182,6 +200,8 @@ RUN_FILES = {
     ".lock",
     "profile",
     "hangs",
+    "wandb",  # a metrics backend's files, left by a start that failed to reach it
+    "tracking.json",
 }
 
 
@@ -207,7 +227,12 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
                     if path.name != runlock.LOCK:
                         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
             elif entries and never_checkpointed and start_step == 0:
-                for name in ("tensorboard", "loss.png"):  # the abandoned start's logs
+                for name in (
+                    "tensorboard",
+                    "loss.png",
+                    "wandb",
+                    "tracking.json",
+                ):  # the abandoned start's logs
                     path = run_dir / name
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -290,6 +315,7 @@ def describe_run(
         ),
         *notes,
         f"data: {batches.description}; {batches.n_train_windows:,} training windows of {T} tokens",
+        *held_out_note(cfg, batches),
         f"batch: {B} {'sequences' if B == cfg.train.sequences else f'preference pairs ({cfg.train.sequences} sequences)'} "
         f"x {T} tokens = {cfg.train.sequences * T:,} tokens/step in {cfg.train.microbatches} microbatch(es)",
         f"peak for MFU: {peak / 1e9:,.1f} GFLOP/s ({peak_how})",

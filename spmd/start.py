@@ -124,5 +124,12 @@ def resume_or_init(
     ledger = meta.get("goodput")
     return Start(
         state, step, notes, ledger if isinstance(ledger, dict) else {}, meta.get("run", {}).get("tokenizer"),
-        meta.get("spikes") if isinstance(meta.get("spikes"), dict) else {}, meta.get("run", {}).get("init_from"),
+        meta.get("spikes") if isinstance(meta.get("spikes"), dict) else {}, pinned_origin(meta),
     )  # fmt: skip
+
+
+def pinned_origin(meta: dict) -> dict:
+    """Where a checkpoint's run took its starting weights, as later checkpoints of it keep saying:
+    its `init_from` record, or the seed it started with (older records: its config's)."""
+    run = meta.get("run", {})
+    return run.get("init_from") or {"seed": int(run.get("config", {}).get("train", {}).get("seed", 0))}

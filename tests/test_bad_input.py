@@ -31,6 +31,16 @@ def files(tmp_path_factory):
     (d / "locked").mkdir()
     (d / "locked" / ".lock").write_text("garbage")
     hf.import_hf(str(FIXTURES / "llama"), str(d / "run"))
+    (d / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "yo"}]}) + "\n")  # fmt: skip
+    (d / "huge.jinja").write_text("{% for i in range(10**9) %}x{% endfor %}")
+    from spmd.data import prepare
+
+    prepare.prepare([str(d / "doc.txt")], str(d / "prepared"), prepare.Options(), progress=False)
+    manifest = json.loads((d / "prepared" / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["sha256"] = "not a table"
+    del manifest["manifest_sha256"]  # as an older prepare wrote it
+    (d / "prepared" / "manifest.json").write_text(json.dumps(manifest))
     # An HF directory whose config contradicts itself, and one whose weights are integers.
     for name in ("hf_foo", "hf_int"):
         shutil.copytree(FIXTURES / "llama", d / name)
@@ -99,6 +109,27 @@ CASES = {
         ["train.py", "--config", "tiny", "--run-dir", "{d}/locked"], "names no trainer"),
     "host devices that are no number": (
         ["dryrun.py", "--config", "tiny", "--host-devices", "many"], "a positive integer is needed"),
+    # The third battery's tracebacks and hangs
+    "prepare into a directory that takes no files": (
+        ["data.py", "prepare", "{d}/doc.txt", "--out", "/proc/self/spmd-data"], "cannot be written"),
+    "a Hub id the Hub refuses": (
+        ["ckpt.py", "import-hf", "org/name-", "--run-dir", "{d}/r5"], "nor a valid Hugging Face repository id"),
+    "lm-eval tasks that name nothing": (["eval.py", "--run-dir", "{d}/run", "--tasks", ","], "names no task"),
+    "negative few-shot": (
+        ["eval.py", "--run-dir", "{d}/run", "--tasks", "x", "--num-fewshot", "-1"], "--num-fewshot must be >= 0"),
+    "a chat template that loops a billion times": (
+        ["data.py", "prepare", "{d}/chats.jsonl", "--format", "chat", "--chat-template", "{d}/huge.jinja",
+         "--out", "{d}/never"], "failed while rendering (OverflowError"),
+    "a manifest whose digests are a string": (
+        ["data.py", "verify", "{d}/prepared"], "sha256 entry for train-00000.bin is not a table"),
+    "a trillion devices to plan": (
+        ["plan.py", "--config", "tiny", "--devices", "1000000000000", "--memory-per-device", "1GiB"],
+        "more than the 4096 devices spmd-plan can simulate"),
+    "a trillion-token sequence": (
+        ["plan.py", "--config", "tiny", "--devices", "8", "--memory-per-device", "1GiB", "--set",
+         "train.seq_len=1000000000000"], "train.seq_len must be at most 16,777,216"),
+    "a hundred thousand host devices": (
+        ["dryrun.py", "--config", "tiny", "--host-devices", "100000"], "at most 4096 simulated devices fit one process"),
 }  # fmt: skip
 
 
@@ -182,3 +213,53 @@ def test_launcher_ports_and_signalled_children():
     assert result.returncode == 2 and "--port must be between 1 and 65535" in result.stderr
     result = run("--", "bash", "-c", "kill -9 $$")  # a child killed by SIGKILL: 128 + 9, as a shell says
     assert result.returncode == 137, result.stderr
+
+
+def test_a_family_module_that_fails_to_import_is_an_error_naming_it(tmp_path, monkeypatch):
+    from spmd.core import family
+    from spmd.core.errors import UserError
+
+    (tmp_path / "broken_families").mkdir()
+    (tmp_path / "broken_families" / "__init__.py").write_text("")
+    (tmp_path / "broken_families" / "mine.py").write_text("raise RuntimeError('half-written')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        UserError, match=r"importing broken_families.mine failed \(RuntimeError: half-written\)"
+    ):
+        family.find("broken_families.mine")
+
+
+def test_a_checkpoint_rotated_away_while_read_says_so(files, tmp_path):
+    from spmd.core.errors import UserError
+    from spmd.io import checkpoint as ckpt
+
+    shutil.copytree(files / "run", tmp_path / "run")
+    directory, step = ckpt.locate(str(tmp_path / "run"))
+    shutil.rmtree(directory / str(step))  # what a live run's retention does between locate and read
+    with pytest.raises(ckpt.Rotated, match="was deleted while being read"):
+        ckpt.read_meta(directory, step)
+    assert issubclass(ckpt.Rotated, UserError)
+
+
+def test_a_full_disk_is_an_error_that_leaves_nothing_half_written(files, tmp_path, monkeypatch):
+    """Writing shards (spmd-data prepare) or safetensors (export-hf) onto a full disk."""
+    import errno
+
+    import safetensors.numpy
+
+    from spmd.core.errors import UserError
+    from spmd.data import prepare
+    from spmd.io import hf
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare._ShardWriter, "add", full)
+    with pytest.raises(
+        UserError, match="writing .* failed \\(No space left on device\\); nothing was replaced"
+    ):
+        prepare.prepare([str(files / "doc.txt")], str(tmp_path / "data"), prepare.Options(), progress=False)
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(UserError, match="writing model.safetensors into .* failed .*No space left"):
+        hf.export_hf(str(files / "run"), str(tmp_path / "hf"), mesh="fsdp=8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporaries

@@ -97,7 +97,13 @@ def test_the_recipe_runs_as_written(tmp_path):
     def loss(done):
         return float(re.search(r"loss (\d+\.\d+) nats/token", done.stdout + done.stderr).group(1))
 
+    def tokens(done):
+        return re.search(r"\(([\d,]+) held-out tokens in \d+ batches of 16 x 128 tokens", done.stdout).group(
+            1
+        )
+
     before, after = loss(outputs[2]), loss(outputs[5])
+    assert tokens(outputs[2]) == tokens(outputs[5])  # before and after score the same tokens
     print(f"held-out loss before {before}, after {after}; reply {outputs[7].stdout.strip()!r}")
     assert after < 0.5 * before, (before, after)
     assert "trained on assistant" in outputs[1].stderr and "0 dropped" in outputs[1].stderr

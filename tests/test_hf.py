@@ -392,6 +392,17 @@ def test_sample_uses_the_imported_tokenizer(imported):
     assert result.stdout == tok.decode([10, 20, 30, *map(int, new)]) + "\n"
 
 
+def test_eval_of_an_imported_run_without_data_names_the_data_it_needs(imported):
+    """Its tokenizer is not the built-in corpus's bytes: scoring that corpus would be a number of
+    nothing, so spmd-eval asks for --data as spmd-train would."""
+    cmd = [sys.executable, "-m", "spmd.cli.eval", "--run-dir", str(imported / "llama"), "--mesh", "fsdp=1",
+           "--host-devices", "1"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "pass --data DIR prepared with its tokenizer" in result.stderr
+
+
 def test_written_config_toml_reads_back_as_the_imported_config(imported):
     directory, step = ckpt.locate(str(imported / "mixtral"))
     saved = config_from_json(ckpt.read_meta(directory, step)["run"]["config"])

@@ -180,3 +180,49 @@ def test_adapter_checkpoints_resume_onto_their_base_and_export_for_peft(base_run
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = np.load(tmp_path / "peft.npy")
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+
+
+def test_a_lora_run_is_pinned_to_its_base(base_run, tmp_path, devices):
+    """A base replaced at the same path is an error naming both digests, never silently used; a run
+    drawn from its seed keeps that seed's base when resumed with another --seed."""
+    import shutil
+
+    from spmd import start as start_lib
+
+    base = tmp_path / "base"
+    shutil.copytree(base_run, base)
+    init = run.init_source(str(base))
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 398, 4_000).astype(np.uint16))
+    overrides = [*OVERRIDES, *LORA, "train.seq_len=16", "train.global_batch_size=4", f"data.path={tokens}",
+                 "train.steps=1"]  # fmt: skip
+    setup = assemble(init["config"], "", "fsdp", overrides=overrides, devices=devices[:1])
+    run.train(setup, tmp_path / "lora", init_from=init)
+    # the base replaced by other weights of the same shapes, at the same path (import-hf --overwrite)
+    from safetensors.numpy import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(CHAT_MODEL, other)
+    tensors = load_file(other / "model.safetensors")
+    save_file(
+        {k: v * 1.01 for k, v in tensors.items()}, other / "model.safetensors", metadata={"format": "pt"}
+    )
+    hf.import_hf(str(other), str(base), overrides=["model.dtype=float32"], overwrite=True)
+    with pytest.raises(UserError, match=r"was trained on the weights of .* with digest [0-9a-f]{16}, but the "
+                                        r"checkpoint there now holds others \(digest [0-9a-f]{16}\)"):  # fmt: skip
+        inference.load(str(tmp_path / "lora"), None, "fsdp=8", "fsdp", batch=0)
+
+    cfg = load_config(
+        "tiny", [*LORA, "train.seq_len=16", "train.global_batch_size=4", "train.steps=1", *OVERRIDES]
+    )
+    first = assemble(cfg, "", "fsdp", devices=devices[:1])
+    run.train(first, tmp_path / "seeded")
+    run.train(assemble(cfg, "", "fsdp", overrides=["train.seed=7", "train.steps=2"], devices=devices[:1]),
+              tmp_path / "seeded")  # resumed under another seed: its checkpoint's config says 7  # fmt: skip
+    again = assemble(cfg, "", "fsdp", overrides=["train.seed=9", "train.steps=3"], devices=devices[:1])
+    started = start_lib.resume_or_init(again.trainer, again.batches(), tmp_path / "seeded")
+    pinned = again.trainer.frozen_from(again.trainer.fresh_weights(0))  # the seed the run started with
+    for leaf, want in zip(jax.tree.leaves(started.state["frozen"]), jax.tree.leaves(pinned), strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want))
+    other = again.trainer.frozen_from(again.trainer.fresh_weights(7))
+    assert np.abs(np.asarray(jax.tree.leaves(other)[0]) - np.asarray(jax.tree.leaves(pinned)[0])).max() > 0.1

@@ -55,9 +55,8 @@ def test_wandb_and_mlflow_receive_records_config_and_goodput_and_continue_on_res
 ):
     store = tmp_path / "mlruns"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
-    monkeypatch.setenv(
-        "MLFLOW_ALLOW_FILE_STORE", "true"
-    )  # a local store for the test; users point at a server
+    # the local recipe (docs/training.md): a file: store, which mlflow 3 refuses unless told; we tell it
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     run_dir = tmp_path / "run"
     cfg = load_config("tiny", [*OVERRIDES, "train.steps=4"])
     first = run.train(assemble(cfg, "fsdp=2", "fsdp", devices=devices[:2]), run_dir)
@@ -152,3 +151,20 @@ def test_backends_are_config_keys_checked_like_any_other():
         load_config("tiny", ["metrics.backends=tensorboard,neptune"])
     with pytest.raises(UserError, match="names a backend twice"):
         load_config("tiny", ["metrics.backends=wandb,wandb"])
+
+
+def test_an_unreachable_mlflow_server_is_an_error_within_its_timeout(tmp_path, devices, monkeypatch):
+    import time
+
+    for name in (
+        "MLFLOW_HTTP_REQUEST_TIMEOUT",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config("tiny", [*OVERRIDES, "metrics.backends=mlflow", "metrics.mlflow_tracking_uri=http://127.0.0.1:9",
+                               "metrics.mlflow_timeout=2", "train.steps=1"])  # fmt: skip
+    started = time.perf_counter()
+    with pytest.raises(UserError, match="metrics backend mlflow could not start"):
+        run.train(assemble(cfg, "", "fsdp", devices=devices[:1]), tmp_path / "run")
+    assert time.perf_counter() - started < 60  # its default retries took minutes

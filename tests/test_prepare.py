@@ -82,6 +82,7 @@ def test_tokenizers_round_trip(corpus):
 
 
 def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
@@ -128,7 +129,7 @@ def test_bad_input_names_the_file_and_line(corpus, tmp_path):
         ([str(bad)], "bad.jsonl line 2 is not JSON"),
         ([str(_write(tmp_path / "nofield.jsonl", '{"body": "x"}\n'))], "nofield.jsonl line 1 has no text field 'text'"),
         ([str(tmp_path / "missing.txt")], "input '.*missing.txt' not found"),
-        ([str(_write(tmp_path / "x.csv", "a,b"))], "unknown kind of file"),
+        ([str(_write(tmp_path / "other" / "x.csv", "a,b").parent)], "holds no .txt, .md, .jsonl, .parquet files; name other suffixes with --ext"),
     ]  # fmt: skip
     latin = tmp_path / "latin.txt"
     latin.write_bytes("café".encode("latin-1"))
@@ -143,6 +144,14 @@ def test_bad_input_names_the_file_and_line(corpus, tmp_path):
         [str(latin)], str(tmp_path / "out"), prepare.Options(errors="replace"), progress=False
     )
     assert m["documents"] == 1
+    # a file named on its own is a document whatever its name; directories take --ext's suffixes
+    licence = _write(tmp_path / "src" / "GPL-3", "GNU GENERAL PUBLIC LICENSE\n")
+    _write(tmp_path / "src" / "notes.rst", "notes\n")
+    assert prepare.prepare([str(licence)], str(tmp_path / "named"), opts, progress=False)["documents"] == 1
+    m = prepare.prepare(
+        [str(tmp_path / "src")], str(tmp_path / "rst"), opts, progress=False, extensions=(".rst",)
+    )
+    assert m["documents"] == 1 and m["inputs"] == [str(tmp_path / "src" / "notes.rst")]
     with pytest.raises(UserError, match="tokenizer '.*nope.json' not found"):
         prepare.prepare(
             [str(latin)], str(tmp_path / "o2"), prepare.Options(tokenizer=str(tmp_path / "nope.json"))
@@ -436,8 +445,13 @@ def test_spmd_data_verify_says_what_it_checked(corpus, tmp_path):
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.startswith(f"ok: {data}: 2 shards"), ok.stderr
     manifest = json.loads((data / prepare.MANIFEST).read_text())
+    edited = {**manifest, "documents": manifest["documents"] + 1}  # a count changed by hand
+    (data / prepare.MANIFEST).write_text(json.dumps(edited))
+    tampered = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert tampered.returncode == 2 and "does not match its own digest" in tampered.stderr, tampered.stderr
+    del manifest[prepare.MANIFEST_DIGEST]  # as prepared before digests existed
     for shard in manifest["splits"]["train"]["shards"] + manifest["splits"]["val"]["shards"]:
-        del shard["sha256"]  # as prepared before digests existed
+        del shard["sha256"]
     (data / prepare.MANIFEST).write_text(json.dumps(manifest))
     old = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert old.returncode == 0 and "their bytes were not checked" in old.stdout

@@ -5,6 +5,7 @@ wherever it is killed."""
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -12,10 +13,12 @@ import pytest
 from spmd import run
 from spmd.assembly.config import load_config
 from spmd.assembly.setup import assemble
+from spmd.core.errors import UserError
 from spmd.data import loader as data_lib
 from spmd.io import checkpoint as ckpt
 from spmd.loop import spikes
 from spmd.loop import train_loop as loop
+from spmd.training import trainer as trainer_lib
 
 BAD_STEP = 29  # the step whose batch is corrupt (it reports its loss as step 29)
 OVERRIDES = [
@@ -49,6 +52,37 @@ def test_a_falling_noisy_loss_is_no_spike_and_a_jump_is():
     with pytest.raises(spikes.Rollback) as caught:
         rollback.observe(40, 3.5, skipped=False)
     assert caught.value.step == 40 and 3.0 < caught.value.threshold < 3.5
+
+
+def test_a_young_run_is_judged_by_the_phase_it_is_in():
+    """A run 31 steps old whose loss fell from 5.6 to 3.3: a jump back to 5.14 is a spike, though
+    the whole window (holding the first fall) would let it pass."""
+    g = guard()
+    fall = [3.3 + 2.3 * (math.exp(-t / 10) - math.exp(-3)) / (1 - math.exp(-3)) for t in range(31)]
+    for step, loss in enumerate(fall, start=1):
+        g.observe(step, loss, skipped=False)
+    whole = statistics.median(fall) + 6 * 1.4826 * statistics.median(
+        abs(x - statistics.median(fall)) for x in fall
+    )
+    assert whole > 5.14  # the old test, over the whole window
+    assert g.last_healthy and not g.healthy(5.14)
+    with pytest.raises(spikes.Spiked, match="loss spike at step 32: loss 5.1400"):
+        g.observe(32, 5.14, skipped=False)
+
+
+def test_retention_keeps_the_newest_healthy_checkpoint_of_a_climbing_loss(tmp_path):
+    cfg = load_config("tiny", ["checkpoint.keep_last=2", "checkpoint.keep_every=0", "checkpoint.keep_best=0"])
+    keeper = ckpt.Checkpointer(tmp_path, cfg.checkpoint)
+    g = guard(window=64)
+    steps = list(range(1, 37))
+    for step in steps:  # noisy but level until 31, then a climb no single step of which is a spike
+        g.observe(
+            step, 3.3 + 0.1 * ((step * 7) % 3 - 1) if step <= 31 else 3.3 + 0.12 * (step - 31), skipped=False
+        )
+        keeper._note(step, {"spikes": g.to_meta()})
+    assert g.spikes == 0 and not g.last_healthy
+    assert keeper.keep(steps) == {34, 35, 36}  # 34: the newest step within 3 spreads of the level
+    keeper.close()
 
 
 def test_the_test_waits_to_settle_and_travels_with_checkpoints():
@@ -185,3 +219,21 @@ def test_the_spike_keys_have_their_own_table():
     old["train"] = {**saved["train"], "on_spike": "rollback", "spike_window": 16, "max_rollbacks": 1}
     spikes_cfg = config_from_json(old).spikes
     assert (spikes_cfg.action, spikes_cfg.window, spikes_cfg.max_rollbacks) == ("rollback", 16, 1)
+
+
+def test_an_eval_over_no_counted_token_is_an_error_not_a_best():
+    """Held-out batches whose masks count nothing would score 0.0, which retention would keep as
+    the best checkpoint."""
+
+    class Batches:
+        val_sources = {}
+
+        def eval_batch(self, i):
+            return {}
+
+    with pytest.raises(UserError, match="the held-out split counts no token in 2 batch"):
+        trainer_lib.held_out_by_source(lambda params, batch: (0.0, 0.0), None, Batches(), 2)
+    assert trainer_lib.held_out_by_source(lambda params, batch: (3.0, 2.0), None, Batches(), 2)[:2] == (
+        6.0,
+        4.0,
+    )

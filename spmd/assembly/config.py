@@ -28,6 +28,7 @@ from spmd.training.optimizer import OptimizerConfig
 from spmd.training.preference import OBJECTIVES, PreferenceConfig
 
 CONFIG_DIR = presets_lib.folder("configs")
+MAX_SIZE = 1 << 24  # the largest sequence length or global batch a config may ask for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class TrainConfig:
         for key in ("seq_len", "global_batch_size", "microbatches", "steps", "log_every", "eval_batches"):
             if getattr(self, key) < 1:
                 problems.append(f"train.{key} must be positive, got {getattr(self, key)}")
+        for key in ("seq_len", "global_batch_size"):  # sizes no device holds, refused before any allocation
+            if getattr(self, key) > MAX_SIZE:
+                problems.append(f"train.{key} must be at most {MAX_SIZE:,}, got {getattr(self, key):,}")
         if self.microbatches >= 1 and self.global_batch_size % self.microbatches:
             problems.append(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
@@ -193,7 +197,9 @@ class LoRAConfig:
     rank: int = 0  # 0: no adapters, every weight trains
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter's input, in training
-    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    # the projections adapted; empty: every one the family declares (Llama: q k v o gate up down;
+    # GPT-2: q k v o up down)
+    targets: tuple[str, ...] = ()
     base_dtype: str = ""  # the frozen weights' dtype: "" keeps model.param_dtype; bfloat16 halves them
 
     @property
@@ -212,8 +218,6 @@ class LoRAConfig:
             problems.append(f"lora.alpha must be a positive number, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             problems.append(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.enabled and not self.targets:
-            problems.append("lora.targets is empty; name the projections to adapt, e.g. q,v")
         if self.base_dtype not in ("", *LORA_DTYPES):
             problems.append(f"lora.base_dtype must be float32, bfloat16 or float16, got {self.base_dtype!r}")
         return problems

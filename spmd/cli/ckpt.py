@@ -138,12 +138,16 @@ def inspect(args) -> int:
         print(f"  imported from {run['hf']['source']} ({run['hf']['architecture']}): parameters only")
     lora = run.get("config", {}).get("lora") or {}
     if lora.get("rank"):
-        base = run["init_from"]["path"] if run.get("init_from") else "drawn from train.seed"
+        origin = run.get("init_from") or {}
+        base = (
+            origin.get("path")
+            or f"drawn from seed {origin.get('seed', run.get('config', {}).get('train', {}).get('seed'))}"
+        )
         print(
             f"  LoRA adapters (rank {lora['rank']}, alpha {lora.get('alpha')}, "
             f"{', '.join(lora.get('targets') or [])}) on the frozen base {base}; the base is not in this checkpoint"
         )
-    elif run.get("init_from"):
+    elif (run.get("init_from") or {}).get("path"):
         print(f"  parameters initialised from {run['init_from']['path']}")
     print(
         f"  data position: {meta['consumed_samples']:,} samples consumed (global batch {meta['global_batch_size']}, "
@@ -225,7 +229,8 @@ def import_hf(args) -> int:
         f"imported {done['architecture']} (family {cfg.model_family.name}, {m.n_layers} layers, d_model "
         f"{m.d_model}, vocab {m.vocab_size}{f', {fig.n_experts} experts' if fig.n_experts else ''}): {done['tensors']} tensors, "
         f"{fmt_bytes(done['bytes'])} as {m.param_dtype} -> {args.run_dir}/checkpoints/0{tokenizer}\n"
-        f"next: spmd-train --init-from {args.run_dir} --run-dir RUN_DIR  (or spmd-eval --run-dir {args.run_dir})"
+        f"next: spmd-train --init-from {args.run_dir} --run-dir RUN_DIR  (or spmd-eval --run-dir {args.run_dir}"
+        f"{' --data DIR, DIR prepared with its tokenizer' if done['tokenizer'] else ''})"
     )
     return 0
 

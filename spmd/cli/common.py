@@ -18,11 +18,22 @@ def env_host_devices() -> int | None:
     return None if value is None else host_devices_count(value, "$SPMD_HOST_DEVICES")
 
 
+# Simulated CPU devices one process can hold: XLA builds a client per device, and far more than
+# this takes minutes before anything is said.
+MAX_HOST_DEVICES = 4096
+
+
 def host_devices_count(text: str, source: str = "") -> int:
-    """A device count as given on the command line or in the environment: a positive integer."""
+    """A device count as given on the command line or in the environment: a positive integer, at
+    most MAX_HOST_DEVICES."""
+    where = f" (from {source})" if source else ""
     if not text.strip().isdigit() or int(text) < 1:
-        where = f" (from {source})" if source else ""
         raise argparse.ArgumentTypeError(f"a positive integer is needed{where}, got {text!r}")
+    if int(text) > MAX_HOST_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_HOST_DEVICES} simulated devices fit one process{where}, got {text}; plan bigger "
+            f"meshes with spmd-plan --devices or spmd-dryrun --topology"
+        )
     return int(text)
 
 

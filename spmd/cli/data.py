@@ -19,19 +19,34 @@ examples:
 """
 
 
+def prepare_suffixes() -> tuple[str, ...]:
+    from spmd.data.prepare import SUFFIXES
+
+    return SUFFIXES
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="spmd-data", description="Data preparation for spmd-train.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     prep = sub.add_parser(
         "prepare",
-        help="tokenize .txt/.jsonl/.parquet documents into token shards and a manifest",
-        description="Tokenize documents (.txt: one per file; .jsonl: one per line; .parquet: one per row) "
+        help="tokenize .txt/.md/.jsonl/.parquet documents into token shards and a manifest",
+        description="Tokenize documents (.txt, .md or any named file: one per file; .jsonl: one per line; .parquet: one per row) "
         "into .bin/.idx token shards and manifest.json, atomically; rerunning on the same inputs is a no-op.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = prep.add_argument
-    add("inputs", nargs="+", help="files or directories (searched recursively for .txt, .jsonl, .parquet)")
+    add(
+        "inputs",
+        nargs="+",
+        help="files (any name: text unless .jsonl or .parquet) or directories (searched recursively for --ext)",
+    )
+    add(
+        "--ext",
+        default=",".join(prepare_suffixes()),
+        help="the suffixes read in directories, comma-separated [.txt,.md,.jsonl,.parquet]",
+    )
     add("--out", required=True, help="output directory")
     add("--tokenizer", default="bytes", help="'bytes', a tokenizer.json or a SentencePiece .model [bytes]")
     add("--text-field", default="text", help="the text field of .jsonl records / column of .parquet [text]")
@@ -149,7 +164,13 @@ def run(args) -> int:
         seq_len=args.seq_len,
         overlong=args.overlong or ("keep_end" if args.format == "preference" else "drop"),
     )
-    m = prepare.prepare(args.inputs, args.out, opts, args.workers, args.overwrite, progress=not args.quiet)
+    extensions = tuple(
+        e if e.startswith(".") else f".{e}" for e in (x.strip() for x in args.ext.split(",")) if e
+    )
+    if not extensions:
+        raise UserError(f"--ext {args.ext!r} names no suffix; e.g. --ext .txt,.md")
+    m = prepare.prepare(args.inputs, args.out, opts, args.workers, args.overwrite, progress=not args.quiet,
+                        extensions=extensions)  # fmt: skip
     train, val = m["splits"]["train"], m["splits"]["val"]
     verb = "unchanged (same inputs, tokenizer and options)" if m.get("unchanged") else "wrote"
     if not val["documents"]:

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt [the task's own]")
     bench.add_argument("--include-path", help="a folder of task YAML files besides lm-eval's own")
     bench.add_argument("--batch-size", type=int, default=8, help="requests per forward pass [8]")
+    bench.add_argument(
+        "--network-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the Hugging Face Hub when a task's data is not cached [10]",
+    )
     return p
 
 
@@ -67,12 +73,19 @@ def run(args, may_relaunch: bool = False) -> int:
               f"training and {record['sequences']['val']:,} held-out sequences beside {args.data}")  # fmt: skip
         return 0
     loaded = inference.load(args.run_dir, args.step, args.mesh, args.rules, overrides, objective=True)
-    if args.data:
-        from spmd.data.loader import data_tokenizer_record
-        from spmd.data.tokenizer import check_agrees
+    from spmd.data.loader import data_tokenizer_record
+    from spmd.data.tokenizer import check_agrees
 
-        check_agrees(loaded.meta.get("run", {}).get("tokenizer"), data_tokenizer_record(loaded.cfg.data),
-                     f"checkpoint {args.run_dir} (step {loaded.step})", args.allow_tokenizer_change)  # fmt: skip
+    recorded, data = loaded.meta.get("run", {}).get("tokenizer"), data_tokenizer_record(loaded.cfg.data)
+    if not args.data and recorded and data and recorded.get("sha256") != data.get("sha256"):
+        raise UserError(
+            f"{args.run_dir} uses the tokenizer {recorded.get('name')}, but the data it records "
+            f"({loaded.cfg.data.path or 'none: the built-in byte corpus'}) is tokenized otherwise; pass --data DIR "
+            f"prepared with its tokenizer (spmd-data prepare FILES --tokenizer {args.run_dir}/tokenizer.json --out DIR)"
+        )
+    check_agrees(
+        recorded, data, f"checkpoint {args.run_dir} (step {loaded.step})", args.allow_tokenizer_change
+    )
     batches = loaded.setup.batches(held_out=True)
     distinct = max(1, batches.n_val_windows // batches.global_batch_size)
     if args.batches is not None and args.batches > distinct:
@@ -80,29 +93,39 @@ def run(args, may_relaunch: bool = False) -> int:
             f"--batches {args.batches} is more than the held-out split holds ({distinct} batches of "
             f"{batches.global_batch_size} x {batches.seq_len} tokens); ask for at most {distinct}"
         )
+    # the run's train.eval_batches, but never a batch twice: a smaller held-out split is scored once, and said
+    args.batches = args.batches or min(loaded.cfg.train.eval_batches, distinct)
+    notes = [inference.compute_note(loaded)]
+    if args.batches < loaded.cfg.train.eval_batches:
+        notes.append(f"the held-out split holds {distinct} distinct batch(es), fewer than train.eval_batches = "
+                     f"{loaded.cfg.train.eval_batches}: each scored once")  # fmt: skip
     if loaded.cfg.train.objective != "lm":
-        return preference(args, loaded, batches)
-    result = inference.evaluate(loaded, batches, args.batches or loaded.cfg.train.eval_batches)
+        return preference(args, loaded, batches, notes)
+    result = inference.evaluate(loaded, batches, args.batches)
     result["data"] = batches.description
+    result["window"] = f"{batches.global_batch_size} x {batches.seq_len}"
+    result["notes"] = notes
     if args.json:
         print(json.dumps(result))
     else:
         bpb = f", {result['bits_per_byte']:.4f} bits per byte" if result["bits_per_byte"] is not None else ""
         print(
             f"step {result['step']}: loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
-            f"{bpb} ({result['tokens']:,} held-out tokens in {result['batches']} batches; {result['data']})"
+            f"{bpb} ({result['tokens']:,} held-out tokens in {result['batches']} batches of {result['window']} "
+            f"tokens; {result['data']}; {'; '.join(notes)})"
         )
         for name, loss in result.get("sources", {}).items():
             print(f"  source {name}: loss {loss:.4f} nats/token")
     return 0
 
 
-def preference(args, loaded, batches) -> int:
+def preference(args, loaded, batches, notes) -> int:
     """A preference run (train.objective dpo, simpo, orpo): its loss and pair metrics on held-out pairs."""
     from spmd.io import inference
 
-    result = inference.evaluate_preference(loaded, batches, args.batches or loaded.cfg.train.eval_batches)
+    result = inference.evaluate_preference(loaded, batches, args.batches)
     result["data"] = batches.description
+    result["notes"] = notes
     if args.json:
         print(json.dumps(result))
         return 0
@@ -111,7 +134,7 @@ def preference(args, loaded, batches) -> int:
         f"step {result['step']}: {result['objective']} loss {result['loss']:.4f}, reward accuracy "
         f"{result['rewards/accuracies']:.3f}, reward margin {result['rewards/margins']:.4f}{against}; log-probabilities "
         f"chosen {result['logps/chosen']:.3f}, rejected {result['logps/rejected']:.3f} ({result['pairs']:,} held-out pairs, "
-        f"{result['tokens']:,} completion tokens in {result['batches']} batches; {result['data']})"
+        f"{result['tokens']:,} completion tokens in {result['batches']} batches; {result['data']}; {'; '.join(notes)})"
     )
     return 0
 
@@ -124,6 +147,20 @@ def benchmarks(args) -> int:
         raise UserError("--tasks evaluates benchmarks, not held-out data: drop --data and --batches")
     if args.limit is not None and args.limit <= 0 or args.batch_size < 1:
         raise UserError("--limit and --batch-size must be positive")
+    if not 0 < args.network_timeout < float("inf"):
+        raise UserError(f"--network-timeout must be a positive number of seconds, got {args.network_timeout}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError(
+            f"--tasks {args.tasks!r} names no task; give lm-eval task names, e.g. --tasks hellaswag,arc_easy"
+        )
+    import os
+
+    # a task whose data is not cached waits this long for the Hub, not minutes of retries
+    for name in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+        os.environ.setdefault(name, str(max(1, round(args.network_timeout))))  # whole seconds: what it parses
     try:
         from spmd.io import harness
     except ImportError:
@@ -131,8 +168,13 @@ def benchmarks(args) -> int:
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     where = {"run_dir": args.run_dir, "step": args.step, "mesh": args.mesh, "rules": args.rules,
              "overrides": tuple(args.set)}  # fmt: skip
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    results = harness.evaluate(where, tasks, limit, args.num_fewshot, args.include_path, args.batch_size)
+    try:
+        results = harness.evaluate(where, tasks, limit, args.num_fewshot, args.include_path, args.batch_size)
+    except OSError as e:  # the network (requests' and urllib3's errors are OSErrors), a full cache disk
+        raise UserError(
+            f"lm-eval could not load the data of --tasks {','.join(tasks)} ({type(e).__name__}: {str(e)[:200]}); "
+            f"download it while online (it is cached under HF_HOME), or set HF_DATASETS_OFFLINE=1 with the data cached"
+        ) from None
     if args.json:
         print(
             json.dumps(

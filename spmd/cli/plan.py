@@ -5,7 +5,14 @@ import argparse
 import sys
 
 from spmd.analysis.hardware import planner_chips
-from spmd.cli.common import Parser, add_host_devices, run_main, set_host_devices, set_host_platform
+from spmd.cli.common import (
+    MAX_HOST_DEVICES,
+    Parser,
+    add_host_devices,
+    run_main,
+    set_host_devices,
+    set_host_platform,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +108,11 @@ def run(args) -> int:
         raise UserError("give --devices and --memory-per-device (or --topology, which implies both)")
     elif args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
+    elif args.devices > MAX_HOST_DEVICES and args.host_devices is None:
+        raise UserError(
+            f"--devices {args.devices:,} is more than the {MAX_HOST_DEVICES} devices spmd-plan can simulate in one "
+            f"process; plan a TPU pod with --topology (its real chips), or fewer devices"
+        )
     elif args.host_devices is None:
         set_host_devices(args.devices)
     cfg = load_config(args.config, args.set)

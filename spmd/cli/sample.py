@@ -98,6 +98,7 @@ def run(args, may_relaunch: bool = False) -> int:
             f"warning: prompt + {args.max_new_tokens} new tokens reach position {longest}, past the {context} "
             f"positions the model was trained on"
         )
+    log(inference.compute_note(loaded))
     sampler = inference.Sampler(loaded)
     if len(prompts) == 1:
         sys.stdout.write(texts[0])

@@ -239,6 +239,11 @@ def find(name: str) -> ModelFamily:
             f"unknown model family {name!r}{closest(name, known)}; families are {', '.join(known)}, "
             f"or a module path whose module defines FAMILY"
         ) from None
+    except Exception as e:  # noqa: BLE001 — any failure of a user's family module is its own
+        raise UserError(
+            f"model family {name!r}: importing {module_name} failed ({type(e).__name__}: {str(e)[:200]}); fix "
+            f"that module, or choose another family"
+        ) from None
     family = getattr(module, "FAMILY", None)
     if not isinstance(family, ModelFamily):
         raise UserError(f"model family {name!r}: module {module_name} defines no FAMILY (a ModelFamily)")

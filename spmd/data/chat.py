@@ -144,6 +144,11 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise UserError(f"chat template {self.origin}: {e}") from None
+        except Exception as e:  # noqa: BLE001 — the template's own code failed (the sandbox's limits included)
+            raise UserError(
+                f"chat template {self.origin} failed while rendering ({type(e).__name__}: {str(e)[:200]}); fix the "
+                f"template or pass --chat-template FILE"
+            ) from None
 
 
 _cache: dict[str, object] = {}

@@ -62,8 +62,10 @@ class Options:
 CHAT_OPTIONS = ("chat_template", "train_on", "seq_len", "overlong")
 
 
-def input_files(inputs: list[str]) -> list[pathlib.Path]:
-    """Every input file, directories expanded (sorted, recursively), in a fixed order."""
+def input_files(inputs: list[str], extensions: tuple[str, ...] = SUFFIXES) -> list[pathlib.Path]:
+    """Every input file, directories expanded (sorted, recursively, the files whose suffix is one of
+    `extensions`), in a fixed order. A file named on its own is read whatever its name (as text,
+    unless it is .jsonl or .parquet)."""
     if not inputs:
         raise UserError("spmd-data prepare needs input files or directories")
     files = []
@@ -72,12 +74,12 @@ def input_files(inputs: list[str]) -> list[pathlib.Path]:
         if not path.exists():
             raise UserError(f"input {item!r} not found")
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in extensions)
             if not found:
-                raise UserError(f"input directory {item!r} holds no {', '.join(SUFFIXES)} files")
+                raise UserError(
+                    f"input directory {item!r} holds no {', '.join(extensions)} files; name other suffixes with --ext"
+                )
             files += found
-        elif path.suffix not in SUFFIXES:
-            raise UserError(f"input {item!r}: unknown kind of file; use {', '.join(SUFFIXES)}")
         else:
             files.append(path)
     return files
@@ -99,7 +101,7 @@ def documents(path: pathlib.Path, opts: Options) -> Iterator:
         yield from _conversations(path, opts)
     elif opts.format == "preference":
         yield from _pairs(path, opts)
-    elif path.suffix in (".txt", ".md"):
+    elif path.suffix not in (".jsonl", ".parquet"):  # .txt, .md, or any file named on its own: one document
         yield _decode(path.read_bytes(), path, opts.errors)
     elif path.suffix == ".jsonl":
         for n, record in _records(path, opts):
@@ -402,7 +404,7 @@ class _ShardWriter:
 
 
 def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwrite: bool = False,
-            progress: bool = True) -> dict:  # fmt: skip
+            progress: bool = True, extensions: tuple[str, ...] = SUFFIXES) -> dict:  # fmt: skip
     """Tokenize `inputs` into `out` (see the module doc); returns the manifest."""
     from spmd.data import tokenizer as tokenizer_lib
 
@@ -428,7 +430,7 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
         raise UserError("--train-on must be all, assistant or last, and --overlong drop or split")
     if opts.seq_len < 0:
         raise UserError(f"--seq-len must be >= 0 (0: no limit), got {opts.seq_len}")
-    files = input_files(inputs)
+    files = input_files(inputs, extensions)
     tokenizer = tokenizer_lib.load(opts.tokenizer)
     key = inputs_key(files, tokenizer, opts)
     out_dir = pathlib.Path(out).expanduser()
@@ -452,7 +454,13 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _write(files, tmp, tokenizer, opts, dtype, workers, progress)
+            try:
+                manifest = _write(files, tmp, tokenizer, opts, dtype, workers, progress)
+            except OSError as e:  # a full disk, a quota, a vanished directory
+                raise UserError(
+                    f"writing {out!r} failed ({e.strerror or e}); nothing was replaced: free space or choose "
+                    f"another --out"
+                ) from None
             if manifest["splits"]["train"]["documents"] == 0:
                 raise UserError(
                     f"inputs {', '.join(inputs)} hold no documents (or all fell in the held-out split)"
@@ -467,6 +475,7 @@ def prepare(inputs: list[str], out: str, opts: Options, workers: int = 1, overwr
             name = tokenizer_lib.run_file_name(tokenizer)
             if name:  # the directory carries its tokenizer: spmd-train finds it there
                 shutil.copy2(tokenizer.file, tmp / name)
+            manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
             if out_dir.exists():
                 if not overwrite:  # it appeared meanwhile (a writer that took no lock)
@@ -499,17 +508,22 @@ def _out_lock(out_dir: pathlib.Path, out: str):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            text = lock.read_text().strip() if lock.is_file() else ""
-            if text.isdigit() and _pid_alive(int(text)):
-                raise UserError(
-                    f"--out {out!r} is being written by another spmd-data prepare (pid {text}); wait for it "
-                    f"to finish (or, if no such process runs here, remove {lock})"
-                ) from None
-            lock.unlink(missing_ok=True)  # its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        break
+            pass
+        except OSError as e:
+            raise UserError(
+                f"--out {out!r} cannot be written ({e.strerror}); choose a writable place"
+            ) from None
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            break
+        text = lock.read_text().strip() if lock.is_file() else ""
+        if text.isdigit() and _pid_alive(int(text)):
+            raise UserError(
+                f"--out {out!r} is being written by another spmd-data prepare (pid {text}); wait for it "
+                f"to finish (or, if no such process runs here, remove {lock})"
+            ) from None
+        lock.unlink(missing_ok=True)  # its process is gone
     else:
         raise UserError(
             f"could not take the lock {lock} for --out {out!r}; remove it if no prepare is running"
@@ -546,7 +560,8 @@ def _write(files, directory, tokenizer, opts: Options, dtype, workers: int, prog
                           "{task.fields[dps]:,.0f} documents/s  {task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn()]  # fmt: skip
     from rich.console import Console
 
-    bar = Progress(*columns, disable=not progress, transient=False, console=Console(stderr=True))
+    # transient: the line goes when the work ends (the command then says what it wrote, or one error line)
+    bar = Progress(*columns, disable=not progress, transient=True, console=Console(stderr=True))
     task = bar.add_task("prepare", docs=0, toks=0, dps=0.0, tps=0.0, total=None)
     # Chunks go to the workers in order and come back in order; the texts wait here (for the
     # held-out split), at most `ahead` chunks in flight so memory stays bounded.
@@ -670,6 +685,14 @@ def tokenizer_file(directory: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
+MANIFEST_DIGEST = "manifest_sha256"  # the manifest's own digest: its counts are protected as its shards are
+
+
+def manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k not in (MANIFEST_DIGEST, "unchanged")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_manifest(directory: pathlib.Path, check: bool = True) -> dict:
     """A prepared directory's manifest; with `check`, its shards are verified against it (sizes,
     document counts), so a truncated or missing shard is an error before training starts."""
@@ -681,6 +704,12 @@ def read_manifest(directory: pathlib.Path, check: bool = True) -> dict:
         raise UserError(
             f"{path} is not a readable spmd-data manifest; prepare the directory again with spmd-data prepare"
         ) from None
+    saved = manifest.get(MANIFEST_DIGEST)  # directories prepared before it existed have none
+    if saved is not None and saved != manifest_digest(manifest):
+        raise UserError(
+            f"{path} does not match its own digest: its counts or records were edited or damaged; prepare the "
+            f"directory again"
+        )
     if check:
         verify(directory, manifest, cached=True)
     return manifest
@@ -724,7 +753,13 @@ def verify(directory: pathlib.Path, manifest: dict, cached: bool = False) -> lis
                         f"{'missing' if stat is None else f'{stat.st_size:,} bytes'} but the manifest says "
                         f"{want:,}; it was truncated or replaced: prepare the directory again"
                     )
-                digest = shard.get("sha256", {}).get(kind)
+                digests = shard.get("sha256", {})
+                if not isinstance(digests, dict):
+                    raise UserError(
+                        f"prepared data {str(directory)!r}: its manifest's sha256 entry for {shard[kind]} is not a "
+                        f"table of digests: the manifest was edited or damaged; prepare the directory again"
+                    )
+                digest = digests.get(kind)
                 if digest is None:
                     unchecked.append(shard[kind])
                     continue

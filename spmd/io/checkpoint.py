@@ -308,6 +308,7 @@ class Checkpointer:
         # step with a spike or a non-finite loss (the newest checkpoint before it is kept).
         self.eval_losses: dict[int, float] = {}
         self.first_anomaly: int | None = None
+        self.healthy: set[int] = set()  # steps whose loss was healthy (spmd.loop.spikes)
         for step in committed_steps(self.directory):
             with contextlib.suppress(UserError):
                 self._note(step, read_meta(self.directory, step))
@@ -316,13 +317,16 @@ class Checkpointer:
         """What retention needs of one checkpoint's metadata."""
         if isinstance(meta.get("eval_loss"), (int, float)):
             self.eval_losses[step] = float(meta["eval_loss"])
+        if (meta.get("spikes") or {}).get("healthy") is not False:  # older records: no verdict
+            self.healthy.add(step)
         anomaly = (meta.get("spikes") or {}).get("first_anomaly")
         if isinstance(anomaly, int):
             self.first_anomaly = anomaly if self.first_anomaly is None else min(self.first_anomaly, anomaly)
 
     def keep(self, steps: list[int]) -> set[int]:
         """Which of the committed `steps` retention keeps: the newest keep_last, every keep_every-th,
-        the keep_best lowest eval losses, and the newest step before the first anomaly."""
+        the keep_best lowest eval losses, the newest step before the first anomaly, and the newest
+        step whose loss was healthy (a loss that climbed since never rotates it away)."""
         cfg = self.cfg
         kept = set(steps[-cfg.keep_last :])
         if cfg.keep_every:
@@ -333,6 +337,7 @@ class Checkpointer:
         if self.first_anomaly is not None:
             before = [s for s in steps if s < self.first_anomaly]
             kept |= set(before[-1:])
+        kept |= set([s for s in steps if s in self.healthy][-1:])
         return kept
 
     def prune(self, in_flight: int | None = None) -> None:
@@ -341,6 +346,7 @@ class Checkpointer:
         for step in sorted(set(steps) - self.keep(steps)):
             self.manager.delete(step)
             self.eval_losses.pop(step, None)
+            self.healthy.discard(step)
 
     def check(self) -> None:
         """Raise SaveError if a background save has failed (returns at once otherwise)."""
@@ -412,6 +418,7 @@ def read_meta(directory: pathlib.Path, step: int) -> dict:
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # noqa: BLE001 — any failure to read is a broken checkpoint to the user
+        _check_still_there(directory, step)
         raise UserError(
             f"checkpoint {directory}/{step} has unreadable metadata ({_first_line(e)}); run spmd-ckpt verify"
         ) from None
@@ -425,6 +432,7 @@ def saved_arrays(directory: pathlib.Path, step: int) -> dict[str, tuple[tuple[in
     try:
         tree = manager.item_metadata(step)["state"]
     except Exception as e:  # noqa: BLE001
+        _check_still_there(directory, step)
         raise UserError(
             f"checkpoint {directory}/{step} is incomplete or corrupt ({_first_line(e)}); run spmd-ckpt verify"
         ) from None
@@ -580,13 +588,22 @@ def restore_model(directory: pathlib.Path, step: int, plan, meta: dict | None = 
     return restore_weights(directory, step, plan.abstract_params, fresh, meta)
 
 
+def params_digest(meta: dict) -> str:
+    """The identity of a checkpoint's parameters: a digest of their arrays' checksums (the same
+    values give the same digest on any mesh)."""
+    sums = {k: v for k, v in sorted((meta.get("checksums") or {}).items()) if k.startswith("params/")}
+    return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
+
+
 def starting_weights(run: dict, abstract_params, fresh, where: str):
     """The weights a run started from (laid out as `abstract_params`), from its checkpoint's `run`
-    record: the checkpoint it started from (`init_from`, itself possibly a transformed run), else
-    drawn from its train.seed. They are what a run's frozen parameters still are."""
-    origin = run.get("init_from")
-    if not origin:
-        return fresh(int(run["config"].get("train", {}).get("seed", 0)))
+    record: the checkpoint it started from (`init_from`, itself possibly a transformed run: its
+    parameters' digest pinned when the run started), else drawn from the seed the run started with
+    (pinned in `init_from` too; older records: the config's train.seed). They are what a run's
+    frozen parameters (and a preference objective's reference) still are."""
+    origin = run.get("init_from") or {}
+    if "path" not in origin:
+        return fresh(int(origin.get("seed", run["config"].get("train", {}).get("seed", 0))))
     try:
         directory, step = locate(origin["path"])
     except UserError:
@@ -594,7 +611,14 @@ def starting_weights(run: dict, abstract_params, fresh, where: str):
             f"{where} holds only the parameters its run trained, on frozen weights from {origin['path']}, "
             f"which is gone; restore that checkpoint to its place (the trained parameters alone are not the model)"
         ) from None
-    return restore_weights(directory, step, abstract_params, fresh)[0]
+    weights, meta = restore_weights(directory, step, abstract_params, fresh)
+    if origin.get("digest") and params_digest(meta) != origin["digest"]:
+        raise UserError(
+            f"{where} was trained on the weights of {origin['path']} with digest {origin['digest']}, but the "
+            f"checkpoint there now holds others (digest {params_digest(meta)}): it was replaced; put the original "
+            f"back to resume, evaluate or export this run, or start a new run from the new weights with --init-from"
+        )
+    return weights
 
 
 def unsaved_of(trainer, meta: dict, where: str) -> dict:
@@ -607,6 +631,18 @@ def unsaved_of(trainer, meta: dict, where: str) -> dict:
     return trainer.unsaved_from(weights)
 
 
+class Rotated(UserError):
+    """A checkpoint deleted while it was being read: a live run's retention rotated it away."""
+
+
+def _check_still_there(directory: pathlib.Path, step: int) -> None:
+    if not (directory / str(step)).exists():
+        raise Rotated(
+            f"checkpoint {directory}/{step} was deleted while being read (the run's checkpoint retention rotated it "
+            f"away); read a newer step (spmd-ckpt inspect {directory.parent} lists them)"
+        )
+
+
 def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -> tuple[dict, dict]:
     manager = _manager(directory, read_only=True, partial=partial)
     try:
@@ -616,6 +652,7 @@ def _read_state(directory: pathlib.Path, step: int, state_args, partial: bool) -
             )
     except Exception as e:  # noqa: BLE001
         # Not closing the manager: its reader threads may still be failing; the CLI exits now.
+        _check_still_there(directory, step)
         raise UserError(
             f"checkpoint {directory}/{step} could not be read ({_first_line(e)}); "
             f"it is corrupt or incomplete: run spmd-ckpt verify, or pass an earlier step to --resume-from"
@@ -632,7 +669,11 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int, str]:
     meta = read_meta(directory, step)
     saved_arrays(directory, step)  # readable metadata
     manager = _manager(directory, read_only=True)
-    metadata = manager.item_metadata(step)["state"]
+    try:
+        metadata = manager.item_metadata(step)["state"]
+    except Exception as e:  # noqa: BLE001
+        _check_still_there(directory, step)
+        raise UserError(f"checkpoint {directory}/{step} is corrupt: {_first_line(e)}") from None
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
     try:
@@ -641,6 +682,7 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int, str]:
                 "state"
             ]
     except Exception as e:  # noqa: BLE001 (the manager stays open: see _read_state)
+        _check_still_there(directory, step)
         raise UserError(f"checkpoint {directory}/{step} is corrupt: {_first_line(e)}") from None
     manager.close()
     n_bytes = 0

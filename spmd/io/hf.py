@@ -360,6 +360,7 @@ def from_hub(repo_id: str) -> pathlib.Path:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
     )
@@ -379,6 +380,15 @@ def from_hub(repo_id: str) -> pathlib.Path:
         raise UserError(f"Hugging Face repository {repo_id!r} not found (or private: set HF_TOKEN)") from None
     except HfHubHTTPError as e:
         raise UserError(f"downloading {repo_id!r} from the Hugging Face Hub failed: {e}") from None
+    except HFValidationError:
+        raise UserError(
+            f"{repo_id!r} is not a local directory, nor a valid Hugging Face repository id (org/name: letters, digits, "
+            f"'-', '_', '.'; no '..', no '-' or '.' at either end); give the model's directory or its Hub id"
+        ) from None
+    except OSError as e:  # the network, a full cache disk
+        raise UserError(
+            f"downloading {repo_id!r} from the Hugging Face Hub failed ({e}); give its directory"
+        ) from None
 
 
 def import_hf(
@@ -550,7 +560,14 @@ def export_hf(
             with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
                 arrays = dict(zip(names, pool.map(lambda n: named[n][0](), names)))
         if is_main:
-            save_file(arrays, str(tmp / file), metadata={"format": "pt"})
+            try:
+                save_file(arrays, str(tmp / file), metadata={"format": "pt"})
+            except Exception as e:  # noqa: BLE001 — SafetensorError or OSError: a full disk, a quota
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise UserError(
+                    f"writing {file} into {out!r} failed ({str(e)[:200]}); nothing was written: free space or "
+                    f"choose another --out"
+                ) from None
             (tmp / file).chmod(0o644)  # safetensors writes through a private temporary file
         for n in names:
             weight_map[n] = file

@@ -15,9 +15,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.assembly.config import config_from_json
+from spmd.assembly.config import apply_overrides, config_from_json
 from spmd.assembly.setup import Setup, assemble
-from spmd.core.errors import UserError
+from spmd.core.errors import UserError, log
 from spmd.core.mesh import axes_size
 from spmd.core.rules import load_rules
 from spmd.io import checkpoint as ckpt
@@ -61,7 +61,19 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
     (default: the run's own rules). `batch`: the batch the steps are compiled for (default the
     run's global batch; 0: the smallest the mesh splits). `decoding`: for KV-cache generation
     (see Rules.for_decoding). `objective`: keep the run's train.objective (its eval step scores
-    preference pairs); otherwise the model is loaded as a language model."""
+    preference pairs); otherwise the model is loaded as a language model. The latest checkpoint
+    of a live run that its retention deletes while it is read is read again at the new latest,
+    and said."""
+    try:
+        return _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective)
+    except ckpt.Rotated as e:
+        if step is not None:
+            raise
+        log(f"note: {e}; reading the newest checkpoint again")
+        return _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective)
+
+
+def _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective) -> Loaded:
     directory, latest = ckpt.locate(path)
     if step is not None:
         if step not in ckpt.committed_steps(directory):
@@ -82,7 +94,8 @@ def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, ov
         overrides=overrides,
         optimizer=False,
         decoding=decoding,
-        batch_size=batch if batch is not None else cfg.train.global_batch_size,
+        # the run's global batch, or the one --set asks for
+        batch_size=batch if batch is not None else apply_overrides(cfg, overrides).train.global_batch_size,
     )
     params, meta = ckpt.restore_model(directory, latest, setup.plan, meta)
     params = setup.plan.from_canonical(params, setup.plan.param_shardings)  # checkpoints: canonical order
@@ -107,6 +120,15 @@ def evaluate(loaded: Loaded, batches, n_batches: int) -> dict:
     if sources:
         result["sources"] = sources
     return result
+
+
+def compute_note(loaded: Loaded) -> str:
+    """The line spmd-sample and spmd-eval say of the precision they compute in."""
+    model = loaded.cfg.model
+    line = f"computing in {model.dtype} (model.dtype; parameters {model.param_dtype})"
+    if model.dtype != "float32":
+        line += ": transformers' float32 numbers are matched with --set model.dtype=float32"
+    return line
 
 
 def reference(loaded: Loaded):

@@ -111,6 +111,7 @@ class MetricsConfig:
     run_name: str = ""  # "": the run directory's name
     wandb_mode: str = ""  # online, offline or disabled; "": W&B's own choice (WANDB_MODE, login)
     mlflow_tracking_uri: str = ""  # "": MLflow's own (MLFLOW_TRACKING_URI)
+    mlflow_timeout: float = 10.0  # seconds an MLflow server gets to answer a request (one retry)
 
     def __post_init__(self):  # a config.json's list, a TOML array
         object.__setattr__(self, "backends", tuple(self.backends))
@@ -123,6 +124,8 @@ class MetricsConfig:
         ]
         if len(set(self.backends)) != len(self.backends):
             problems.append(f"metrics.backends names a backend twice: {', '.join(self.backends)}")
+        if not 0 < self.mlflow_timeout <= 600:
+            problems.append(f"metrics.mlflow_timeout must be in (0, 600] seconds, got {self.mlflow_timeout}")
         if self.wandb_mode not in WANDB_MODES:
             problems.append(
                 f"metrics.wandb_mode must be online, offline or disabled (or empty), got {self.wandb_mode!r}"
@@ -204,6 +207,20 @@ class WandbSink:
         self.run.finish()
 
 
+def mlflow_environment(cfg: MetricsConfig) -> None:
+    """MLflow's client reads its settings from the environment: an unreachable server is given
+    metrics.mlflow_timeout seconds and one retry (its defaults retry for minutes), and a local
+    `file:` store (or a plain directory) is allowed, which mlflow 3 refuses unless told
+    (MLFLOW_ALLOW_FILE_STORE): the local recipe that needs no server and no database driver.
+    What the user set in the environment wins."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, round(cfg.mlflow_timeout))))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith("file:") or uri and "://" not in uri and ":" not in uri.split("/")[0]:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
 class MlflowSink:
     """An MLflow run per run directory: the config.json as parameters (dotted keys) and as an
     artifact, each record as metrics at its step; continued on resume, where the config of the
@@ -216,6 +233,7 @@ class MlflowSink:
         from mlflow.entities import Param
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # its experiment-created notices
+        mlflow_environment(cfg)
         self.client = mlflow.MlflowClient(tracking_uri=cfg.mlflow_tracking_uri or None)
         if tracking.get("mlflow"):
             self.run_id = tracking["mlflow"]

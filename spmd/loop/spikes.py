@@ -4,7 +4,14 @@ The test is robust to the noise of small batches and to a loss that is still fal
 spikes when its loss exceeds the median of the last `spikes.window` finite, unspiked losses
 by more than `spikes.factor` times their spread (1.4826 x the median absolute deviation, a
 standard deviation's estimate that one outlier does not move, and at least 1% of the median so a
-flat loss does not make every wobble a spike). Fewer than SETTLE losses are not judged.
+flat loss does not make every wobble a spike), or the same bound over the newer half of them
+(at least 2 x SETTLE), whichever is lower: early in a run the window still holds the steep first fall,
+whose median and spread would let a jump back to the starting loss pass; the newer half holds the
+phase the run is in. Fewer than SETTLE losses are not judged.
+
+A step's loss is `healthy` when it is within HEALTHY (3) spreads of that median: retention keeps the
+newest checkpoint written at a healthy step (spmd.io.checkpoint.Checkpointer), so a loss that
+climbs without a single spike never rotates the last good checkpoint away.
 
 `spikes.action` (the `[spikes]` table):
 - `stop`: the run stops with one `error:` line (exit 2) before any hook sees the step.
@@ -27,6 +34,7 @@ from spmd.core.errors import UserError
 
 ON_SPIKE = ("stop", "skip", "rollback")
 SETTLE = 8  # losses seen before any step is judged
+HEALTHY = 3  # spreads above the median a healthy loss stays within
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +82,7 @@ class SpikeGuard:
     spikes: int = 0  # spiking steps seen (skipped or rolled back)
     rollbacks: int = 0
     first_anomaly: int | None = None  # the first step with a spike or a non-finite loss
+    last_healthy: bool = True  # whether the newest observed loss was healthy (module doc)
 
     @classmethod
     def for_config(cls, settings: SpikesConfig, meta: dict | None = None) -> "SpikeGuard":
@@ -90,27 +99,44 @@ class SpikeGuard:
             "spikes": self.spikes,
             "rollbacks": self.rollbacks,
             "first_anomaly": self.first_anomaly,
+            "healthy": self.last_healthy,
         }
+
+    def _bounds(self) -> list[tuple[float, float]]:
+        """(median, spread) of the whole history and of its newer half (module doc)."""
+        history = list(self.losses)
+        out = []
+        for part in (history, history[-max(2 * SETTLE, len(history) // 2) :]):
+            median = statistics.median(part)
+            spread = 1.4826 * statistics.median(abs(x - median) for x in part)
+            out.append((median, max(spread, 0.01 * abs(median))))
+        return out
 
     def threshold(self) -> float:
         """The loss above which the next step spikes (inf while the test is off or unsettled)."""
         if not self.factor or len(self.losses) < min(SETTLE, self.window):
             return math.inf
-        median = statistics.median(self.losses)
-        spread = 1.4826 * statistics.median(abs(x - median) for x in self.losses)
-        return median + self.factor * max(spread, 0.01 * abs(median))
+        return min(median + self.factor * spread for median, spread in self._bounds())
+
+    def healthy(self, loss: float) -> bool:
+        """Whether `loss` is within HEALTHY spreads of the recent losses (True while unsettled)."""
+        if len(self.losses) < min(SETTLE, self.window):
+            return True
+        return any(loss <= median + HEALTHY * spread for median, spread in self._bounds())
 
     def observe(self, step: int, loss: float, skipped: bool, spiked: bool = False) -> None:
         """One finished step: `skipped` (its update was not applied: a non-finite loss, or above the
         threshold it was given, `spiked`). Raises Spiked or Rollback for a spike the step itself
         did not skip."""
         if skipped or not math.isfinite(loss):
+            self.last_healthy = False
             if self.first_anomaly is None:
                 self.first_anomaly = step
             if spiked:
                 self.spikes += 1
             return
         limit = self.threshold()
+        self.last_healthy = self.healthy(loss)
         if loss > limit:
             if self.first_anomaly is None:
                 self.first_anomaly = step
@@ -119,7 +145,8 @@ class SpikeGuard:
                 raise Rollback(step, loss, limit)
             raise Spiked(
                 f"loss spike at step {step}: loss {loss:.4f} is above {limit:.4f} (the median of the last "
-                f"{len(self.losses)} steps' losses plus spikes.factor={self.factor:g} times their spread), "
+                f"{len(self.losses)} steps' losses, or of their newer half, plus spikes.factor={self.factor:g} "
+                f"times their spread), "
                 f"and spikes.action = stop. The checkpoints from before step {step} are kept: lower "
                 f"optimizer.learning_rate or set spikes.action = rollback or skip, then resume"
             )

@@ -629,15 +629,28 @@ def evaluate(trainer: Trainer, params, batches) -> float:
 
 def held_out_by_source(eval_step, params, batches, n_batches: int) -> tuple[float, float, dict[str, float]]:
     """(summed cross-entropy, counted tokens, {source: mean loss}) over `n_batches` held-out
-    batches: of each source for a mixture (the sums over all of them), else of the one split."""
+    batches: of each source for a mixture (the sums over all of them), else of the one split.
+    Held-out batches whose masks count no token are an error: their loss would read 0."""
     if not batches.val_sources:
-        return *held_out_sums(eval_step, params, batches, n_batches), {}
+        total, count = held_out_sums(eval_step, params, batches, n_batches)
+        _check_counted(count, "the held-out split", n_batches)
+        return total, count, {}
     total, count, per_source = 0.0, 0.0, {}
     for name in batches.val_sources:
         t, n = held_out_sums(eval_step, params, batches, n_batches, name)
-        per_source[name] = t / max(n, 1.0)
+        _check_counted(n, f"the held-out split of source {name!r}", n_batches)
+        per_source[name] = t / n
         total, count = total + t, count + n
     return total, count, per_source
+
+
+def _check_counted(count: float, what: str, n_batches: int) -> None:
+    if not count:
+        raise UserError(
+            f"{what} counts no token in {n_batches} batch(es): every target is masked out (chat data whose "
+            f"loss masks select nothing there, or data.mask_token_id everywhere), so its loss would read 0; "
+            f"prepare the data so the held-out conversations have trained turns (--train-on), or evaluate other data"
+        )
 
 
 def evaluate_all(trainer: Trainer, params, batches, reference=None) -> dict[str, float]:

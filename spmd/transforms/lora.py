@@ -159,13 +159,14 @@ def targets(family, lora: LoRAConfig) -> dict[str, tuple[str, int]]:
     known = dict(family.adapter_targets)
     if not known:
         raise UserError(f"model family {family.name} declares no LoRA targets; train it without [lora]")
-    unknown = [t for t in lora.targets if t not in known]
+    wanted = lora.targets or tuple(known)  # empty: every projection the family declares
+    unknown = [t for t in wanted if t not in known]
     if unknown:
         raise UserError(
             f"lora.targets: {family.name} has no projection {unknown[0]!r}{closest(unknown[0], list(known))}; "
             f"its targets are {', '.join(known)}"
         )
-    return {t: known[t] for t in dict.fromkeys(lora.targets)}
+    return {t: known[t] for t in dict.fromkeys(wanted)}
 
 
 def _stacked(axes) -> int:
