@@ -257,3 +257,26 @@ def test_max_restarts_resumes_a_hung_then_killed_job_to_the_uninterrupted_losses
     assert last["goodput"] == pytest.approx(last["time_productive"] / sum(buckets))
     done = [line for line in err.splitlines() if "done: step 12" in line]
     assert done and "goodput " in done[0] and "lost " in done[0]
+
+
+def test_the_launcher_drops_gloos_connection_lines_however_they_interleave():
+    """gloo writes one connection line per communicator from several threads at once; the pieces
+    land interleaved at any boundary, a number sometimes on a line of its own."""
+    import io
+
+    from spmd.platform.launcher import _pump
+
+    lines = [
+        "[Gloo] Rank 3 is connected to 3[Gloo] Rank 2 is connected to  peer ranks. 3Expected number of "
+        "connected peer ranks is :  peer ranks. 3Expected number of connected peer ranks is : \n",
+        "3\n",
+        "[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+        "step 3  loss 5.56\n",
+        "42\n",  # a job's own output, after a line of its own: kept
+    ]
+    out = io.StringIO()
+    _pump(iter(lines), "[1] ", out)
+    assert out.getvalue() == "[1] step 3  loss 5.56\n[1] 42\n"
+    out = io.StringIO()
+    _pump(iter(lines), "[1] ", out, verbose=True)
+    assert out.getvalue().count("[1] ") == len(lines)

@@ -34,15 +34,20 @@ def free_port() -> int:
 
 
 # gloo's line for every communicator each process joins, in the pieces it writes them in: threads
-# joining at once interleave them ("[Gloo] Rank [Gloo] Rank 0 is connected to ...").
+# joining at once interleave them at any piece ("[Gloo] Rank 3 is connected to 3[Gloo] Rank 2 is
+# connected to  peer ranks. 3Expected ..."), and a number can end up on a line of its own.
 CONNECTION_PIECES = re.compile(
-    r"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+    r"\[Gloo\]|Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :|\d+|\s+"
 )
 
 
 def _pump(stream, prefix: str, out, verbose: bool = False) -> None:
+    after_gloo = False  # the previous line was gloo's: a bare number now is the rest of it
     for line in stream:
-        if verbose or CONNECTION_PIECES.sub("", line).strip():
+        gloo = "[Gloo]" in line or "is connected to" in line or "peer ranks" in line
+        debris = not CONNECTION_PIECES.sub("", line) and (gloo or after_gloo and line.strip().isdigit())
+        after_gloo = gloo
+        if verbose or not debris:
             out.write(f"{prefix}{line}")
             out.flush()
 
