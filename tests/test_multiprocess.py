@@ -264,7 +264,7 @@ def test_the_launcher_drops_gloos_connection_lines_however_they_interleave():
     land interleaved at any boundary, a number sometimes on a line of its own."""
     import io
 
-    from spmd.platform.launcher import _pump
+    from spmd.platform.launcher import pump
 
     lines = [
         "[Gloo] Rank 3 is connected to 3[Gloo] Rank 2 is connected to  peer ranks. 3Expected number of "
@@ -275,8 +275,8 @@ def test_the_launcher_drops_gloos_connection_lines_however_they_interleave():
         "42\n",  # a job's own output, after a line of its own: kept
     ]
     out = io.StringIO()
-    _pump(iter(lines), "[1] ", out)
+    pump(iter(lines), "[1] ", out)
     assert out.getvalue() == "[1] step 3  loss 5.56\n[1] 42\n"
     out = io.StringIO()
-    _pump(iter(lines), "[1] ", out, verbose=True)
+    pump(iter(lines), "[1] ", out, verbose=True)
     assert out.getvalue().count("[1] ") == len(lines)

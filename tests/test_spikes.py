@@ -79,7 +79,7 @@ def test_retention_keeps_the_newest_healthy_checkpoint_of_a_climbing_loss(tmp_pa
         g.observe(
             step, 3.3 + 0.1 * ((step * 7) % 3 - 1) if step <= 31 else 3.3 + 0.12 * (step - 31), skipped=False
         )
-        keeper._note(step, {"spikes": g.to_meta()})
+        keeper.note(step, {"spikes": g.to_meta()})
     assert g.spikes == 0 and not g.last_healthy
     assert keeper.keep(steps) == {34, 35, 36}  # 34: the newest step within 3 spreads of the level
     keeper.close()

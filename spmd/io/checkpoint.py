@@ -311,9 +311,9 @@ class Checkpointer:
         self.healthy: set[int] = set()  # steps whose loss was healthy (spmd.loop.spikes)
         for step in committed_steps(self.directory):
             with contextlib.suppress(UserError):
-                self._note(step, read_meta(self.directory, step))
+                self.note(step, read_meta(self.directory, step))
 
-    def _note(self, step: int, meta: dict) -> None:
+    def note(self, step: int, meta: dict) -> None:
         """What retention needs of one checkpoint's metadata."""
         if isinstance(meta.get("eval_loss"), (int, float)):
             self.eval_losses[step] = float(meta["eval_loss"])
@@ -376,7 +376,7 @@ class Checkpointer:
             return
         meta = {**meta, "checksums": checksums(state)}
         meta[META_DIGEST] = _digest(meta)
-        self._note(step, meta)
+        self.note(step, meta)
         if self.cfg.async_save and jax.devices()[0].platform == "cpu":
             # On an accelerator Orbax copies the arrays to host memory before save() returns. On CPU
             # they already are host memory, so it writes from the live buffers; the next step donates

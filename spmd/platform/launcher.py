@@ -41,7 +41,7 @@ CONNECTION_PIECES = re.compile(
 )
 
 
-def _pump(stream, prefix: str, out, verbose: bool = False) -> None:
+def pump(stream, prefix: str, out, verbose: bool = False) -> None:
     after_gloo = False  # the previous line was gloo's: a bare number now is the rest of it
     for line in stream:
         gloo = "[Gloo]" in line or "is connected to" in line or "peer ranks" in line
@@ -115,7 +115,7 @@ def _launch_once(
             raise UserError(f"cannot run {command[0]!r}: {e.strerror}; give the command after --") from None
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out, verbose), daemon=True)
+            t = threading.Thread(target=pump, args=(stream, f"[{i}] ", out, verbose), daemon=True)
             t.start()
             pumps.append(t)
 
