@@ -30,6 +30,7 @@ from spmd.data.chat import TEMPLATE_FILE
 from spmd.data.loader import data_tokenizer, data_tokenizer_record
 from spmd.data.tokenizer import run_file_name
 from spmd.io import checkpoint as ckpt
+from spmd.io import local_tier
 from spmd.io.hf import TOKENIZER_FILES
 from spmd.loop import goodput, runlock, spikes
 from spmd.loop import train_loop as loop
@@ -84,10 +85,12 @@ def train(
     batches = setup.batches()
     tokenizer = data_tokenizer(setup.cfg.data)
     data_record = data_tokenizer_record(setup.cfg.data)
+    tier, tier_notes = local_tier_of(setup.cfg.checkpoint, run_dir)
     start = start_lib.resume_or_init(
         setup.trainer, batches, run_dir, resume_from, overwrite, init["record"]["path"] if init else None,
-        data_record, allow_tokenizer_change,
+        data_record, allow_tokenizer_change, tier,
     )  # fmt: skip
+    start.notes[:0] = tier_notes
     check_precomputed_reference(setup.cfg, init["record"] if init else start.init_from)
     # Raw token ids say nothing of their tokenizer: the run keeps the one it started from.
     recorded = data_record or start.tokenizer
@@ -97,6 +100,8 @@ def train(
     lock = runlock.acquire(run_dir)
     try:
         lost = prepare_run_dir(run_dir, start.step, overwrite, is_main)
+        if tier is not None:
+            tier.adopt(local_tier.run_id(run_dir), start.step)
         # where the weights came from, pinned: a fresh run's seed, or the checkpoint it started from
         origin = init["record"] if init else start.init_from or {"seed": setup.cfg.train.seed}
         resolved = describe_run(setup, batches, run_dir, start.notes, is_main, origin, recorded)
@@ -104,9 +109,20 @@ def train(
             keep_tokenizer(tokenizer, run_dir)
         if init and is_main:
             copy_tokenizer(init["run_dir"], run_dir)
-        return _loop(setup, batches, run_dir, start, resolved, is_main, profile, lost, started, hooks)
+        return _loop(setup, batches, run_dir, start, resolved, is_main, profile, lost, started, hooks, tier)
     finally:
         lock.release()
+
+
+def local_tier_of(cfg, run_dir: pathlib.Path):
+    """(the run's local checkpoint tier or None, lines for the log); an error where it cannot work."""
+    if not cfg.tiered:
+        return None, []
+    single = local_tier.LocalTier.check(cfg.local_dir, cfg.replicas, jax.process_count())
+    tier = local_tier.LocalTier(cfg.local_dir, run_dir, cfg.replicas, cfg.local_every)
+    tier.check_writable()
+    copies = f", a copy on each of the next {cfg.replicas} process(es)" if cfg.replicas else ""
+    return tier, [f"local checkpoints every {cfg.local_every} steps in {tier.base}{copies}", *single]
 
 
 def check_precomputed_reference(cfg, origin: dict | None) -> None:
@@ -202,15 +218,19 @@ RUN_FILES = {
     "hangs",
     "wandb",  # a metrics backend's files, left by a start that failed to reach it
     "tracking.json",
+    local_tier.RUN_ID,
+    goodput.RESTORES,
 }
 
 
-def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool) -> float:
+def prepare_run_dir(
+    run_dir: pathlib.Path, start_step: int, overwrite: bool, is_main: bool
+) -> tuple[float, int]:
     """Make (or, with --overwrite, replace) the run directory; a resumed run's metrics.jsonl is cut
     back to the restored step, and a run that never checkpointed is started afresh (its logs
     cleared). Every process checks (the run dir is on a shared filesystem), so all fail alike;
-    process 0 writes. Returns the seconds an earlier attempt trained past `start_step` (lost to
-    the restart; on process 0)."""
+    process 0 writes. Returns the seconds and steps an earlier attempt trained past `start_step`
+    (lost to the restart; on process 0)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {str(run_dir)!r} is a file; give a directory")
     entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
@@ -232,6 +252,7 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
                     "loss.png",
                     "wandb",
                     "tracking.json",
+                    goodput.RESTORES,
                 ):  # the abandoned start's logs
                     path = run_dir / name
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -240,12 +261,14 @@ def prepare_run_dir(run_dir: pathlib.Path, start_step: int, overwrite: bool, is_
             raise UserError(
                 f"--run-dir {str(run_dir)!r} cannot be created or cleared: {e.strerror}"
             ) from None
-        lost = goodput.lost_seconds(loop.trim_metrics(run_dir / "metrics.jsonl", start_step), start_step)
+        local_tier.run_id(run_dir, create=True)
+        earlier = loop.trim_metrics(run_dir / "metrics.jsonl", start_step)
+        lost = (goodput.lost_seconds(earlier, start_step), goodput.lost_steps(earlier, start_step))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("run directory ready")
-    return lost if is_main else 0.0
+    return lost if is_main else (0.0, 0)
 
 
 def what_is_in(run_dir: pathlib.Path) -> str:
@@ -325,8 +348,8 @@ def describe_run(
     return resolved
 
 
-def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool, profile, lost: float,
-          started: float, extra_hooks=()) -> Result:  # fmt: skip
+def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main: bool, profile,
+          lost: tuple[float, int], started: float, extra_hooks=(), tier=None) -> Result:  # fmt: skip
     """Compile the step, then run the loop with its hooks from `start` to train.steps, watched
     (spmd.loop.watchdog) and accounted (spmd.loop.goodput)."""
     cfg, trainer = setup.cfg, setup.trainer
@@ -336,7 +359,12 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             log(f"already at step {start.step} (train.steps = {tcfg.steps}): nothing to train")
         return Result(run_dir, start.step, [])
     ledger = goodput.Ledger(started, start.goodput)
-    ledger.add("lost", lost)
+    ledger.add("lost", lost[0])
+    if start.restored is not None and is_main:
+        r = start.restored
+        ledger.restores = goodput.record_restore(run_dir, r["step"], r["tier"], lost[1], r["seconds"])
+    elif is_main:
+        ledger.restores = goodput.read_restores(run_dir)
     # The trackers start before the compile, so that one that cannot start costs no compile.
     writer = MetricsWriter(run_dir, cfg.metrics, resolved) if is_main else None
     t0 = time.perf_counter()
@@ -372,6 +400,7 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             ),
         )
     ]
+    meta = lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals(), guard.to_meta())  # noqa: E731
     metrics = None
     if is_main:
         metrics = loop.MetricsHook(
@@ -380,12 +409,11 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             writer=writer, start_step=start.step, ledger=ledger,
         )  # fmt: skip
         hooks += [metrics, loop.ProgressHook(tcfg.log_every, tcfg.eval_every, tcfg.steps, start.step)]
+    if tier is not None:  # after the record: a kill during the save loses a step that was logged
+        hooks.append(loop.LocalCheckpointHook(tier, cfg.checkpoint, meta, setup.trainer.to_canonical))
     hooks.append(
         loop.CheckpointHook(
-            checkpointer,
-            cfg.checkpoint.every,
-            lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals(), guard.to_meta()),
-            setup.trainer.to_canonical,
+            checkpointer, cfg.checkpoint.every, meta, setup.trainer.to_canonical, cfg.checkpoint.continuous
         )
     )
     if profile is not None and is_main:
@@ -406,6 +434,8 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             log(f"rollback: loss spike at step {spike.step} (loss {spike.loss:.4f}, above {spike.threshold:.4f}); "
                 f"restored step {target} and skipped {skip} batches of data (rollback {guard.rollbacks} of at "
                 f"most {cfg.spikes.max_rollbacks})")  # fmt: skip
+        if tier is not None:
+            tier.discard_after(target)
         return trainer.from_canonical(state, ckpt.unsaved_of(trainer, meta, "the rollback")), target
 
     train_loop = loop.TrainLoop(
@@ -422,13 +452,13 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
     if preemption.signal is not None:
         if is_main:
             log(f"stopped by signal {preemption.signal}: checkpoint for step {checkpointer.last_saved} committed "
-                f"in {checkpointer.directory}; {goodput.summary(ledger.totals())}")  # fmt: skip
+                f"in {checkpointer.directory}; {goodput.summary(ledger.totals(), ledger.restores)}")  # fmt: skip
         return Result(run_dir, checkpointer.last_saved, history, preemption.signal)
     if history:
         last = history[-1]
         evals = [r["eval_loss"] for r in history if "eval_loss" in r]
         log(f"done: step {last['step']}, loss {last['loss']:.4f}" + (f", eval loss {evals[-1]:.4f}" if evals else "")
-            + f"; {goodput.summary(ledger.totals())}; run dir {run_dir}")  # fmt: skip
+            + f"; {goodput.summary(ledger.totals(), ledger.restores)}; run dir {run_dir}")  # fmt: skip
     if is_main and train_loop.skipped:
         log(f"warning: {train_loop.skipped} of {tcfg.steps - start.step} steps had a non-finite loss or gradient "
             f"norm and were skipped (the state unchanged)"

@@ -13,6 +13,7 @@ import pytest
 from test_cli import ROOT, spmd_train
 
 from spmd.io import checkpoint as ckpt
+from spmd.loop import goodput
 from spmd.platform.launcher import free_port
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def assert_close(a, b):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
     """1 process x 8 devices, 12 steps: what every multi-process layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("mp") / "ref"
     result = spmd_train(
@@ -84,21 +85,117 @@ def reference(tmp_path_factory):
         str(run_dir),
     )
     assert result.returncode == 0, result.stderr
-    return records(run_dir)
+    return run_dir
 
 
-def test_two_processes_match_one(reference, tmp_path):
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return records(reference_run)
+
+
+HYBRID = ["--dcn-mesh", "data=2", "--mesh", "fsdp=2,tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """2 processes x 4 devices, data across them, 12 steps: (run dir, the launcher's result)."""
+    run_dir = tmp_path_factory.mktemp("mp2") / "run"
+    result = launch(2, 4, *HYBRID, "--steps", "12", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_two_processes_match_one(reference, two_processes):
     """A hybrid mesh (data across processes); a global mesh over 2 processes is checked by
     test_checkpoint_moves_between_process_counts."""
-    mesh = ["--dcn-mesh", "data=2", "--mesh", "fsdp=2,tensor=2"]
-    result = launch(2, 4, *mesh, "--steps", "12", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, result = two_processes
     assert "[0] mesh: data=2,fsdp=2,tensor=2 over 8 cpu devices (2 processes)" in result.stderr
     assert "[1] step" not in result.stderr  # only process 0 logs
     assert (
         "[Gloo]" not in result.stdout + result.stderr
     )  # the connection lines (spmd-launch --verbose shows them)
-    assert_close(records(tmp_path / "run"), reference)
+    assert_close(records(run_dir), reference)
+
+
+def figures(run_dir):
+    """What a run's records say of training (no timings): bit for bit equal between equal runs."""
+    keys = ("step", "loss", "grad_norm", "learning_rate", "eval_loss", "trained_tokens")
+    return [{k: r[k] for k in keys if k in r} for r in records(run_dir)]
+
+
+def checksums_at(run_dir, step):
+    return ckpt.read_meta(run_dir / "checkpoints", step)["checksums"]
+
+
+def tiered_launch(processes, devices, run_dir, tmp_path, faults, *args):
+    """spmd-launch --max-restarts 2 of tests/hang_train.py (the faults: its environment) with a
+    local tier in tmp_path/local; returns the launcher's result."""
+    hang = str(ROOT / "tests" / "hang_train.py")
+    tier = ["--set", f"checkpoint.local_dir={tmp_path / 'local'}", "--set", "checkpoint.local_every=2"]
+    cmd = [sys.executable, "-m", "spmd.cli.launch", "--processes", str(processes), "--host-devices", str(devices),
+           "--max-restarts", "2", "--", sys.executable, hang, *TRAIN[2:], *args, *tier, "--steps", "12",
+           "--run-dir", str(run_dir)]  # fmt: skip
+    faults = {"HANG_MARK": str(tmp_path / "mark")} | faults
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env() | faults)
+
+
+def test_a_killed_process_resumes_from_the_local_tier_and_a_replaced_host_from_its_peer(
+    two_processes, tmp_path
+):
+    """Process 1 dies (-9) after step 7 with its local directory wiped (a replaced host); storage
+    holds step 4, the local tier step 6: process 0 restores its own copy, process 1 the copy
+    process 0 holds of its shards. The run ends bit for bit as the uninterrupted one."""
+    from spmd.io.local_tier import base_dir
+
+    run_dir = tmp_path / "run"
+    wiped = base_dir(str(tmp_path / "local"), run_dir) / "process-1"
+    faults = {"DIE_STEP": "7", "DIE_PROCESS": "1", "DIE_WIPE": str(wiped)}
+    result = tiered_launch(2, 4, run_dir, tmp_path, faults, *HYBRID, "--checkpoint-every", "4",
+                           "--set", "checkpoint.replicas=1")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = result.stderr
+    assert "process 1 exited with 137" in err and "restart 1 of 2" in err
+    assert (
+        "[0] resumed from the local tier" in err
+        and "at step 6: 48 samples consumed; process 1's shards from process 0's copy" in err
+    )
+    assert figures(run_dir) == figures(two_processes[0])  # bit for bit
+    assert checksums_at(run_dir, 12) == checksums_at(two_processes[0], 12)
+    last = records(run_dir)[-1]
+    assert last["restores"] == 1 and last["steps_lost"] == 1 and last["restore_seconds"] > 0
+    assert "1 restore: 1 steps lost" in err and "(peer 1)" in err
+
+
+def test_a_save_cut_short_falls_back_to_the_previous_local_step_and_lost_local_dirs_to_storage(
+    reference_run, tmp_path
+):
+    """One process (run as the reference is, so that it can equal it bit for bit), started again
+    after each kill: killed halfway through writing its local checkpoint of step 6 (storage every
+    8, committed before the step after it), it resumes from local step 4; killed after step 10 with its local directory gone, from
+    storage step 8; it ends as the uninterrupted run."""
+    from spmd.io.local_tier import base_dir
+
+    run_dir = tmp_path / "run"
+    hang = str(ROOT / "tests" / "hang_train.py")
+    cmd = [sys.executable, hang, *TRAIN[2:], "--mesh", "data=2,fsdp=2,tensor=2", "--host-devices", "8",
+           "--checkpoint-every", "8", "--set", "checkpoint.async_save=false", "--set", f"checkpoint.local_dir={tmp_path / 'local'}", "--set",
+           "checkpoint.local_every=2", "--steps", "12", "--run-dir", str(run_dir)]  # fmt: skip
+    faults = {"HANG_MARK": str(tmp_path / "mark"), "DIE_IN_LOCAL_SAVE": "6", "DIE_PROCESS": "0", "DIE_STEP": "10",
+              "DIE_WIPE": str(base_dir(str(tmp_path / "local"), run_dir))}  # fmt: skip
+    attempts = [
+        subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env() | faults) for _ in range(3)
+    ]
+    assert [a.returncode for a in attempts] == [-9, -9, 0], attempts[-1].stderr[-3000:]
+    assert "one process: no peer holds a copy of its local checkpoints" in attempts[0].stderr
+    assert (
+        "resumed from the local tier" in attempts[1].stderr
+        and "at step 4: 32 samples consumed" in attempts[1].stderr
+    )
+    assert f"resumed from {run_dir / 'checkpoints'}/8" in attempts[2].stderr
+    assert figures(run_dir) == figures(reference_run)  # bit for bit
+    assert checksums_at(run_dir, 12) == checksums_at(reference_run, 12)
+    restores = goodput.read_restores(run_dir)
+    assert [(r["tier"], r["step"], r["steps_lost"]) for r in restores] == [("local", 4, 2), ("storage", 8, 2)]
 
 
 def test_pure_data_parallelism_across_processes_sums_gradients_as_one_vector(reference, tmp_path):

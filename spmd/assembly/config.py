@@ -177,6 +177,17 @@ class CheckpointConfig:
     keep_best: int = 1  # ... plus the N with the lowest eval loss (0: none) ...
     # ... and always the newest one from before the run's first spike or non-finite step
     async_save: bool = True  # write in the background while training continues
+    # storage saves back to back: the next starts at the first step after the previous committed
+    continuous: bool = False
+    # the local tier (spmd/io/local_tier.py): every local_every steps each process keeps its own
+    # shards in local_dir (host memory such as /dev/shm/<name>, or a local disk) ...
+    local_every: int = 0
+    local_dir: str = ""
+    replicas: int = 0  # ... and this many peer processes hold a copy of them
+
+    @property
+    def tiered(self) -> bool:
+        return self.local_every > 0
 
     def check(self) -> list[str]:
         problems = []
@@ -184,6 +195,21 @@ class CheckpointConfig:
             problems.append("checkpoint.every, checkpoint.keep_every and checkpoint.keep_best must be >= 0")
         if self.keep_last < 1:
             problems.append(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
+        if self.local_every < 0 or self.replicas < 0:
+            problems.append("checkpoint.local_every and checkpoint.replicas must be >= 0")
+        if self.local_every and not self.local_dir:
+            problems.append(
+                "checkpoint.local_every needs checkpoint.local_dir: where each host keeps its shards "
+                "(host memory such as /dev/shm/<name>, or a local disk)"
+            )
+        if self.local_dir and not self.local_every:
+            problems.append(
+                "checkpoint.local_dir is set but checkpoint.local_every is 0: set how often to save there"
+            )
+        if self.replicas and not self.local_every:
+            problems.append(
+                "checkpoint.replicas copies the local tier: set checkpoint.local_every and local_dir too"
+            )
         return problems
 
 

@@ -215,16 +215,24 @@ def checksums(tree) -> dict[str, str]:
     what every restore and `spmd-ckpt verify` read back."""
     sums = jax.device_get(_checksums(tree))
     return {
-        _key(path): f"{int(v[0]):08x}{int(v[1]):08x}" for path, v in jax.tree_util.tree_leaves_with_path(sums)
+        array_key(path): f"{int(v[0]):08x}{int(v[1]):08x}"
+        for path, v in jax.tree_util.tree_leaves_with_path(sums)
     }
 
 
 META_DIGEST = "meta_sha256"
 
 
-def _digest(meta: dict) -> str:
+def meta_digest(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != META_DIGEST}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(meta: dict, state) -> dict:
+    """`meta` as every tier saves it with `state`: with its arrays' checksums and its own digest."""
+    meta = {**meta, "checksums": checksums(state)}
+    meta[META_DIGEST] = meta_digest(meta)
+    return meta
 
 
 # Read checkpoints whose metadata lacks its digest or the arrays' checksums (`--trust-unverified`):
@@ -247,7 +255,7 @@ def check_meta(directory: pathlib.Path, step: int, meta: dict, required=()) -> d
     """`meta` if it is what was saved for this step (its digest, its step number, the keys the
     caller needs, the checksums of its arrays), else an error saying what is wrong."""
     where = f"checkpoint {directory}/{step}"
-    if META_DIGEST in meta and meta[META_DIGEST] != _digest(meta):
+    if META_DIGEST in meta and meta[META_DIGEST] != meta_digest(meta):
         raise UserError(
             f"{where}: its metadata was edited or is corrupt (digest mismatch); restore an earlier step"
         )
@@ -374,8 +382,7 @@ class Checkpointer:
         self.check()
         if self.last_saved == step:
             return
-        meta = {**meta, "checksums": checksums(state)}
-        meta[META_DIGEST] = _digest(meta)
+        meta = sealed(meta, state)
         self.note(step, meta)
         if self.cfg.async_save and jax.devices()[0].platform == "cpu":
             # On an accelerator Orbax copies the arrays to host memory before save() returns. On CPU
@@ -394,6 +401,16 @@ class Checkpointer:
             self._fail(previous if earlier else step, e)
         self.last_saved = step
         self.prune(in_flight=step if self.cfg.async_save else None)
+
+    def idle(self) -> bool:
+        """No save in flight on any process (a continuous save starts now): every process asks
+        at the same step, and all get the same answer."""
+        busy = self.manager.is_saving_in_progress()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            busy = bool(np.asarray(multihost_utils.process_allgather(np.int32(busy))).any())
+        return not busy
 
     def wait(self) -> None:
         if self.failed is not None:
@@ -440,11 +457,12 @@ def saved_arrays(directory: pathlib.Path, step: int) -> dict[str, tuple[tuple[in
     if tree is None:
         raise UserError(f"checkpoint {directory}/{step} has no state; it is incomplete")
     return {
-        _key(path): (tuple(m.shape), str(m.dtype)) for path, m in jax.tree_util.tree_leaves_with_path(tree)
+        array_key(path): (tuple(m.shape), str(m.dtype))
+        for path, m in jax.tree_util.tree_leaves_with_path(tree)
     }
 
 
-def _key(path) -> str:
+def array_key(path) -> str:
     """'opt_state/1/0/mu/embed_VD': one spelling for dict keys, sequence indices and NamedTuple fields
     (Orbax's metadata turns NamedTuple fields into dict keys)."""
     parts = []
@@ -463,7 +481,7 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial
     `partial`: `abstract_state` is a subtree (e.g. only the params), so extra saved arrays are fine."""
     saved = saved_arrays(directory, step)
     wanted = {
-        _key(path): (tuple(x.shape), str(x.dtype))
+        array_key(path): (tuple(x.shape), str(x.dtype))
         for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)
     }
     # The parameters first: their names say which part of the model differs (an optimizer-state
@@ -520,7 +538,7 @@ def restore_params(directory: pathlib.Path, step: int, abstract_params) -> tuple
     check_compatible(directory, step, target, partial=True)
     saved = saved_arrays(directory, step)
     as_saved = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(x.shape, saved[_key(path)][1], sharding=x.sharding), target
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, saved[array_key(path)][1], sharding=x.sharding), target
     )
     args = ocp.args.PyTreeRestore(
         item=as_saved,
@@ -690,11 +708,11 @@ def verify(directory: pathlib.Path, step: int) -> tuple[int, int, str]:
         x = np.asarray(x)
         if x.shape != tuple(m.shape) or x.dtype != np.dtype(m.dtype):
             raise UserError(
-                f"checkpoint {directory}/{step}: {_key(path)} reads as {x.dtype}{list(x.shape)} "
+                f"checkpoint {directory}/{step}: {array_key(path)} reads as {x.dtype}{list(x.shape)} "
                 f"but its metadata says {m.dtype}{list(m.shape)}"
             )
         if x.dtype.kind == "f" and not np.isfinite(x).all():
-            raise UserError(f"checkpoint {directory}/{step}: {_key(path)} holds NaN or Inf")
+            raise UserError(f"checkpoint {directory}/{step}: {array_key(path)} holds NaN or Inf")
         n_bytes += x.nbytes
     check_checksums(directory, step, state, meta)
     lacking = unverified(meta)

@@ -385,16 +385,21 @@ class ProfileHook(Hook):
 
 class CheckpointHook(Hook):
     """Saves every `every` steps (0: only at the end), at the last step and when stopping; on a stop
-    it waits for the save to commit."""
+    it waits for the save to commit. `continuous`: also at every step after the previous save
+    committed (every process agrees on it)."""
 
     bucket = "checkpoint"
 
-    def __init__(self, checkpointer, every: int, meta, canonical=None):
+    def __init__(self, checkpointer, every: int, meta, canonical=None, continuous: bool = False):
         """`meta(step) -> dict`: the metadata saved with the step (spmd.io.checkpoint.step_meta);
         `canonical(state)`: the state in canonical layer order (Trainer.to_canonical), which
         checkpoints hold whatever the pipeline schedule."""
         self.checkpointer, self.every, self.meta = checkpointer, every, meta
         self.canonical = canonical or (lambda state: state)
+        self.continuous = continuous
+
+    def should_run(self, step: int, final: bool, stopping: bool) -> bool:
+        return super().should_run(step, final, stopping) or (self.continuous and self.checkpointer.idle())
 
     def __call__(self, info: StepInfo) -> None:
         meta = self.meta(info.step)
@@ -409,6 +414,38 @@ class CheckpointHook(Hook):
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+class LocalCheckpointHook(Hook):
+    """Saves to the local tier (spmd.io.local_tier) every `checkpoint.local_every` steps, except at
+    the steps a storage save takes (the end, a stop, `checkpoint.every`); when the loop ends, one
+    line says what the saves cost."""
+
+    at_end = on_stop = False
+    bucket = "checkpoint"
+
+    def __init__(self, tier, cfg, meta, canonical):
+        self.tier, self.every, self.storage_every = tier, cfg.local_every, cfg.every
+        self.meta, self.canonical = meta, canonical
+
+    def should_run(self, step: int, final: bool, stopping: bool) -> bool:
+        storage = final or stopping or bool(self.storage_every and step % self.storage_every == 0)
+        return super().should_run(step, final, stopping) and not storage
+
+    def __call__(self, info: StepInfo) -> None:
+        self.tier.save(info.step, self.canonical(info.state), self.meta(info.step))
+
+    def close(self) -> None:
+        self.tier.close()
+        if self.tier.blocking and jax.process_index() == 0:
+            from spmd.parallel.sharding import fmt_bytes
+
+            print(
+                f"local checkpoints: {len(self.tier.blocking)} saves, {np.median(self.tier.blocking):.3f}s blocking "
+                f"each (median), {fmt_bytes(self.tier.payload_bytes)} per process",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class Preemption:
