@@ -79,6 +79,16 @@ if IN_SAVE >= 0:
 
     _write_file = local_tier.write_file
     local_tier.write_file = _dying_write
+    _save = local_tier.LocalTier.save
+
+    def _save_and_wait(self, step, *args):
+        """Step k's write waits for itself: the kill lands while the loop is at step k (else the
+        background write could still be running steps later)."""
+        _save(self, step, *args)
+        if step == IN_SAVE:
+            self.wait()
+
+    local_tier.LocalTier.save = _save_and_wait
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
