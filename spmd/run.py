@@ -119,7 +119,7 @@ def local_tier_of(cfg, run_dir: pathlib.Path):
     if not cfg.tiered:
         return None, []
     single = local_tier.LocalTier.check(cfg.local_dir, cfg.replicas, jax.process_count())
-    tier = local_tier.LocalTier(cfg.local_dir, run_dir, cfg.replicas, cfg.local_every)
+    tier = local_tier.LocalTier(cfg.local_dir, run_dir, cfg.replicas)
     tier.check_writable()
     copies = f", a copy on each of the next {cfg.replicas} process(es)" if cfg.replicas else ""
     return tier, [f"local checkpoints every {cfg.local_every} steps in {tier.base}{copies}", *single]
@@ -128,8 +128,8 @@ def local_tier_of(cfg, run_dir: pathlib.Path):
 def check_precomputed_reference(cfg, origin: dict | None) -> None:
     """A DPO run on precomputed reference log-probabilities must start from the checkpoint that
     wrote them, on the data they were written for."""
-    from spmd.data.loader import precomputed_reference, prepared_dir
-    from spmd.data.preference import read_reference
+    from spmd.data.loader import prepared_dir
+    from spmd.data.preference import precomputed_reference, read_reference
     from spmd.data.prepare import read_manifest
 
     if not precomputed_reference(cfg):
@@ -400,7 +400,10 @@ def _loop(setup, batches, run_dir: pathlib.Path, start, resolved: dict, is_main:
             ),
         )
     ]
-    meta = lambda step: ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals(), guard.to_meta())  # noqa: E731
+
+    def meta(step: int) -> dict:  # what every tier saves with a step
+        return ckpt.step_meta(step, batches, tcfg, resolved, ledger.totals(), guard.to_meta())
+
     metrics = None
     if is_main:
         metrics = loop.MetricsHook(

@@ -65,7 +65,7 @@ META = {"step": 0, "consumed_samples": 0, "global_batch_size": 8}
 
 
 def tier_with(tmp_path, *steps):
-    tier = local_tier.LocalTier(str(tmp_path / "local"), tmp_path / "run", 0, 2)
+    tier = local_tier.LocalTier(str(tmp_path / "local"), tmp_path / "run", 0)
     (tmp_path / "run").mkdir(exist_ok=True)
     tier.check_writable()
     tier.adopt(local_tier.run_id(tmp_path / "run", create=True), 0)

@@ -32,6 +32,7 @@ import numpy as np
 
 from spmd.core.errors import UserError
 from spmd.core.paths import cache_dir
+from spmd.data.preference import precomputed_reference
 
 
 def _atomic_save(path: pathlib.Path, array: np.ndarray) -> None:
@@ -474,13 +475,6 @@ def _windows(data_cfg, vocab_size: int, T: int, packing: str, what: str, held_ou
             f"conversations apart); set data.packing=segments"
         )
     return WindowSource(train_tokens, T), WindowSource(val_tokens, T), desc, bytes_per_token
-
-
-def precomputed_reference(cfg) -> bool:
-    """Whether the batches carry the reference model's log-probabilities (spmd.data.preference)."""
-    from spmd.data.preference import REFERENCED
-
-    return cfg.train.objective in REFERENCED and cfg.preference.reference == "precomputed"
 
 
 def mixture_order(weights: list[float]) -> grain.MapDataset:

@@ -38,6 +38,11 @@ REFERENCE_FIELD = "reference_logps"
 REFERENCED = ("dpo",)
 
 
+def precomputed_reference(cfg) -> bool:
+    """Whether a run's batches carry the reference model's log-probabilities (run config `cfg`)."""
+    return cfg.train.objective in REFERENCED and cfg.preference.reference == "precomputed"
+
+
 def check_row(record, where: str) -> tuple[object, object, object]:
     """(prompt, chosen, rejected) of one input row, as strings or conversations; anything else
     is an error naming the row."""

@@ -159,7 +159,7 @@ def unpack(payload, target) -> dict:
                 raise LocalTierError(f"{key}: no saved shard for device {device.id}")
             shape = [b - a for a, b in _slices(ix, want.shape)]
             raw = payload[start + e["offset"] : start + e["offset"] + e["nbytes"]]
-            host = np.frombuffer(bytes(raw), dtype=np.dtype(want.dtype)).reshape(shape)
+            host = raw.view(np.dtype(want.dtype)).reshape(shape)  # a view: device_put copies
             sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=want.sharding.memory_kind)
             arrays.append(jax.device_put(host, sharding))
         return jax.make_array_from_single_device_arrays(tuple(want.shape), want.sharding, arrays)
@@ -277,9 +277,9 @@ class Restored:
 class LocalTier:
     """One process's side of the local tier of a run (every process makes one)."""
 
-    def __init__(self, local_dir: str, run_dir: pathlib.Path, replicas: int, every: int):
+    def __init__(self, local_dir: str, run_dir: pathlib.Path, replicas: int):
         self.base = base_dir(local_dir, run_dir)
-        self.run_dir, self.replicas, self.every = run_dir, replicas, every
+        self.run_dir, self.replicas = run_dir, replicas
         self.me, self.n = jax.process_index(), jax.process_count()
         self.root = self.base / f"process-{self.me}"
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-tier")
@@ -446,6 +446,7 @@ class LocalTier:
         rid = run_id(self.run_dir)
         inventories = allgather_json(self.inventory(rid))
         bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) that failed their sha256
+        loaded: dict[int, np.ndarray] = {}  # {owner: its shards of the chosen step}, read and checked here
         other_layout = sorted(
             {int(s) for inv in inventories for held in [inv["own"], *inv["copies"].values()]
              for s, (_, lay, _) in held.items() if lay != want and int(s) > newer_than}
@@ -462,7 +463,7 @@ class LocalTier:
             step, holders = choice
             # what this process provides: its own shards, and the copies it holds that others need
             provide = [owner for owner, holder in holders.items() if holder == self.me]
-            ok = {owner: self._intact(owner, step) for owner in provide}
+            ok = {owner: self._load(owner, step, loaded) is not None for owner in provide}
             verdicts = allgather_json({str(k): v for k, v in ok.items()})
             failed = [(holders[int(o)], int(o), step) for v in verdicts for o, fine in v.items() if not fine]
             if not failed:
@@ -473,17 +474,18 @@ class LocalTier:
                     notes.append(
                         f"warning: the local copy of process {owner}'s shards of step {s} failed its sha256: not used"
                     )
-        mine = self._read(self.me, step) if holders[self.me] == self.me else None
+        mine = loaded.get(self.me) if holders[self.me] == self.me else None
         peers = {owner: holder for owner, holder in holders.items() if holder != owner}
         for group in rounds([(holder, owner) for owner, holder in sorted(peers.items())]):
             source = next((src for src, dst in group if dst == self.me), None)
             sending = next((dst for src, dst in group if src == self.me), None)
-            payload = self._read(sending, step) if sending is not None else None
+            payload = loaded.get(sending)
             sizes = {src: entry(inventories, src, dst, step)[0] for src, dst in group}
             got = send(payload, group, sizes)
             if source is not None:
                 mine = got
-        if (
+        received = holders[self.me] != self.me  # what was read here, _load has checked
+        if received and (
             hashlib.sha256(memoryview(mine)).hexdigest()
             != entry(inventories, holders[self.me], self.me, step)[2]
         ):
@@ -515,19 +517,18 @@ class LocalTier:
     def _path(self, owner: int, step: int) -> pathlib.Path:
         return self.root / ("own" if owner == self.me else f"peer-{owner}") / str(step)
 
-    def _intact(self, owner: int, step: int) -> bool:
+    def _load(self, owner: int, step: int, loaded: dict) -> np.ndarray | None:
+        """`owner`'s shards of `step` as held here, read once and checked against their sha256
+        (kept in `loaded` for the transfers); None where they cannot be read or fail."""
         commit = read_commit(self._path(owner, step))
         try:
-            digest = hashlib.sha256()
-            with open(self._path(owner, step) / DATA, "rb") as f:
-                while block := f.read(1 << 24):
-                    digest.update(block)
+            data = np.fromfile(self._path(owner, step) / DATA, np.uint8)
         except OSError:
-            return False
-        return commit is not None and digest.hexdigest() == commit["sha256"]
-
-    def _read(self, owner: int, step: int) -> np.ndarray:
-        return np.fromfile(self._path(owner, step) / DATA, np.uint8)
+            return None
+        if commit is None or hashlib.sha256(memoryview(data)).hexdigest() != commit["sha256"]:
+            return None
+        loaded[owner] = data
+        return data
 
 
 def entry(inventories: list[dict], holder: int, owner: int, step: int) -> list:

@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from spmd.core.errors import UserError
+from spmd.core.errors import UserError, log
 from spmd.loop.spikes import Rollback
 
 
@@ -440,11 +440,9 @@ class LocalCheckpointHook(Hook):
         if self.tier.blocking and jax.process_index() == 0:
             from spmd.parallel.sharding import fmt_bytes
 
-            print(
+            log(
                 f"local checkpoints: {len(self.tier.blocking)} saves, {np.median(self.tier.blocking):.3f}s blocking "
-                f"each (median), {fmt_bytes(self.tier.payload_bytes)} per process",
-                file=sys.stderr,
-                flush=True,
+                f"each (median), {fmt_bytes(self.tier.payload_bytes)} per process"
             )
 
 

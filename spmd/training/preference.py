@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spmd.data.preference import FIELDS, REFERENCE_FIELD, REFERENCED
+from spmd.data.preference import FIELDS, REFERENCE_FIELD, REFERENCED, precomputed_reference
 
 OBJECTIVES = ("lm", "dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
@@ -95,8 +95,7 @@ def reference_model(cfg) -> bool:
 
 def batch_fields(cfg) -> tuple[str, ...]:
     """The arrays of a preference batch under run config `cfg`."""
-    precomputed = needs_reference(cfg.train.objective) and cfg.preference.reference == "precomputed"
-    return (*FIELDS, REFERENCE_FIELD) if precomputed else FIELDS
+    return (*FIELDS, REFERENCE_FIELD) if precomputed_reference(cfg) else FIELDS
 
 
 def row_sums(ce_BT, loss_mask_BT, target_mask_BT):
