@@ -198,7 +198,10 @@ def _dkv_kernel(
     bk,
     kv_len,
     groups,
+    accumulate=False,
 ):
+    """dK and dV of one key block. `accumulate`: the grid's last axis runs over the kv head's
+    query heads, one per step, each adding its share into the same (fp32) output block."""
     j = pl.program_id(2)
     k_kH, v_kH = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
@@ -231,8 +234,18 @@ def _dkv_kernel(
     carry = (jnp.zeros(k_kH.shape, jnp.float32), jnp.zeros(v_kH.shape, jnp.float32))
     for g in range(groups):  # the kv head's query heads, accumulated without repeating K/V
         carry = jax.lax.fori_loop(lower, n_q, functools.partial(body, g=g), carry)
-    dk_ref[...] = (carry[0] * scale).astype(dk_ref.dtype)
-    dv_ref[...] = carry[1].astype(dv_ref.dtype)
+    if not accumulate:
+        dk_ref[...] = (carry[0] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = carry[1].astype(dv_ref.dtype)
+        return
+
+    @pl.when(pl.program_id(3) == 0)
+    def _():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+        dv_ref[...] = jnp.zeros(dv_ref.shape, dv_ref.dtype)
+
+    dk_ref[...] += carry[0] * scale
+    dv_ref[...] += carry[1]
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -453,32 +466,30 @@ def _flash_backward_tpu(qp, kp, vp, segq, segk, dop, lsep, deltap, common, G, T,
         compiler_params=_tpu_params(interpret),
     )(q, k, v, sq, sk, do, lse, delta)
 
-    # dk/dv: one call per query head of the group (head h * G + g), summed in fp32 here: holding
-    # all G heads' queries of the whole sequence at once outgrows VMEM (llama-70b: G = 8 at 8k
-    # positions needs 64 MiB of blocks).
-    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for g in range(G):
-        head = lambda b, h, j, g=g: (b, h * G + g, 0, 0)  # noqa: E731
-        dk_g, dv_g = pl.pallas_call(
-            functools.partial(_dkv_kernel, groups=1, **common),
-            grid=(B, K, Sp // bk),
-            in_specs=[
-                pl.BlockSpec((None, 1, Tp, H), head),
-                pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0)),
-                pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0)),
-                pl.BlockSpec((None, 1, Tp), lambda b, h, j: (b, 0, 0)) if seg else None,
-                pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j)) if seg else None,
-                pl.BlockSpec((None, 1, Tp, H), head),
-                pl.BlockSpec((None, 1, 1, Tp), head),
-                pl.BlockSpec((None, 1, 1, Tp), head),
-            ],
-            out_specs=[pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0))] * 2,
-            out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32)] * 2,
-            interpret=interpret,
-            name="flash_attention_dkv",
-            compiler_params=_tpu_params(interpret),
-        )(q, k, v, sq, sk, do, lse, delta)
-        dk, dv = dk + dk_g, dv + dv_g
+    # dk/dv in one call: the grid's last axis runs over the kv head's G query heads (head h * G + g),
+    # each step adding into the same fp32 output block, which stays in VMEM across them. One head's
+    # queries at a time: all G of a kv head over the whole sequence outgrow VMEM (llama-70b: G = 8
+    # at 8k positions needs 64 MiB of blocks).
+    head = lambda b, h, j, g: (b, h * G + g, 0, 0)  # noqa: E731
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, groups=1, accumulate=True, **common),
+        grid=(B, K, Sp // bk, G),
+        in_specs=[
+            pl.BlockSpec((None, 1, Tp, H), head),
+            pl.BlockSpec((None, None, bk, H), lambda b, h, j, g: (b, h, j, 0)),
+            pl.BlockSpec((None, None, bk, H), lambda b, h, j, g: (b, h, j, 0)),
+            pl.BlockSpec((None, 1, Tp), lambda b, h, j, g: (b, 0, 0)) if seg else None,
+            pl.BlockSpec((None, 1, bk), lambda b, h, j, g: (b, 0, j)) if seg else None,
+            pl.BlockSpec((None, 1, Tp, H), head),
+            pl.BlockSpec((None, 1, 1, Tp), head),
+            pl.BlockSpec((None, 1, 1, Tp), head),
+        ],
+        out_specs=[pl.BlockSpec((None, None, bk, H), lambda b, h, j, g: (b, h, j, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32)] * 2,
+        interpret=interpret,
+        name="flash_attention_dkv",
+        compiler_params=_tpu_params(interpret),
+    )(q, k, v, sq, sk, do, lse, delta)
     dk, dv = dk.astype(kp.dtype), dv.astype(vp.dtype)
     return _heads_major(dq)[:, :T], _heads_major(dk)[:, :S], _heads_major(dv)[:, :S]
 

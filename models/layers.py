@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.core.family import adapter_of
-from spmd.core.logical import can_merge, constrain
+from spmd.core.logical import TOKEN_AXES, can_merge, constrain, constrain_whole_over, lowering
 
 
 def adapter(module, weight: str):
@@ -23,12 +23,13 @@ def adapter(module, weight: str):
 
 def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), adapter=None):
     """Contract the last `n_in` axes of x with the first `n_in` axes of w (a parameter as stored,
-    cast here to x's dtype, the compute dtype), as one 2-D matmul; plus `adapter(x)`, the update
-    of an adapter a model transform attached (e.g. low-rank: x W + (alpha / r) x A B), if any.
+    cast here to x's dtype, the compute dtype); plus `adapter(x)`, the update of an adapter a model
+    transform attached (e.g. low-rank: x W + (alpha / r) x A B), if any.
 
-    Same math as the einsum in each caller's comment. XLA:CPU runs the backward of a dot with two
-    contracting axes (e.g. BTD,BTF->DF) far slower than the same dot on flattened operands, so we
-    flatten. On GPU/TPU this is free either way.
+    Same math as the einsum in each caller's comment. Where the run's Lowering says so (XLA:CPU,
+    whose backward of a dot with two contracting axes, e.g. BTD,BTF->DF, is far slower than the same
+    dot on flattened operands) it is one 2-D matmul; elsewhere the weight keeps its shape, so that
+    FSDP gathers it once per use (a reshaped copy would be gathered again under recomputation).
     When the sequence is split over devices (context parallelism) flattening (B, T) would scatter
     each device's tokens across the merged axis, so the dot keeps the leading axes instead.
     """
@@ -38,7 +39,7 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), adapter=None):
 
 def _contract(x, w, n_in: int, lead_axes):
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
-    if not can_merge(lead_axes):
+    if not lowering().flatten_matmuls or not can_merge(lead_axes):
         return jax.lax.dot_general(
             x, w.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
         )
@@ -48,14 +49,20 @@ def _contract(x, w, n_in: int, lead_axes):
     return (x_MK @ w_KN.astype(x.dtype)).reshape(*lead, *out)
 
 
-def lookup_table(table_RD, rows: str = "vocab"):
-    """An embedding table as a lookup reads it: its rows (logical name `rows`) split as the rules
-    split them, its embed dimension whole. The rows are gathered by ids split along the batch;
-    where the rules split the table's embed dimension over a batch axis too (FSDP), the
-    partitioner reaches the residual stream's layout from the lookup's only by replicating it.
-    Gathered whole along embed instead, the table is one more FSDP weight: gathered for the
-    forward, its gradient reduce-scattered."""
-    return constrain(table_RD, (rows, None))
+def embed_rows(table_RD, ids_BT, dtype, rows: str = "vocab"):
+    """table[ids] in `dtype` (the table cast to it first: its gradient leaves the lookup in that
+    dtype, as every weight's leaves its matmul), moving looked-up rows, never the table.
+
+    The table stays split as the rules split it. Where they split its embed dimension over batch
+    axes too (FSDP), each device looks up the tokens of all the devices that share its columns (the
+    ids gathered over those axes: 4 bytes a token), in its own columns, and the rows go to the
+    residual stream's layout by an all-to-all; the gradient comes back the same way and is
+    scatter-added into the device's own columns: no gather of the table, no reduction of its
+    gradient over those axes. Rows split over an axis that does not carry the batch (Megatron's
+    vocab-parallel embedding) are looked up where they live and summed over it."""
+    ids_BT = constrain_whole_over(ids_BT, TOKEN_AXES, "embed")
+    table_RD = constrain(table_RD, (rows, "embed")).astype(dtype)
+    return constrain_whole_over(jnp.take(table_RD, ids_BT, axis=0), (*TOKEN_AXES, "embed"), "embed")
 
 
 def param(rngs, cfg, shape, logical, std=None, compute_cast=True):

@@ -231,7 +231,12 @@ TPU_LAYOUT = [(True, 1, False, 40), (False, 2, True, 40), (True, 4, True, 150)]
     "causal,groups,segments,T", TPU_LAYOUT, ids=[f"causal{c}-G{g}-seg{s}-T{t}" for c, g, s, t in TPU_LAYOUT]
 )
 def test_tpu_layout_fp32_matches_reference(causal, groups, segments, T):
+    """The TPU layout, its dK/dV one call whose last grid axis adds each query head of a group."""
     check("flash_tpu", causal, groups, segments, T, jnp.float32)
+
+
+def test_tpu_layout_bf16_matches_reference():
+    check("flash_tpu", True, 4, True, 150, jnp.bfloat16)
 
 
 @pytest.mark.parametrize(

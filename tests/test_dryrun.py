@@ -212,3 +212,21 @@ def test_the_strategies_each_own_a_share_and_a_new_one_is_a_module(devices, tmp_
     assert "partial sums of a layer's matmuls over a split dimension" not in {
         row["what"] for row in r["explain"]["rules"]
     }
+
+
+def test_the_embedding_lookup_moves_rows_not_the_table():
+    """Under FSDP the table stays split along embed: no collective carries the (V, D) table (its
+    gather, or its gradient reduced); the looked-up rows go to the residual stream's layout by an
+    all-to-all, and their gradient comes back by another."""
+    from spmd.analysis import hlo
+
+    setup = assemble("tiny", "fsdp=8", "fsdp")
+    t = setup.trainer
+    B, T = setup.cfg.train.sequences, setup.cfg.train.seq_len
+    text = t.train_step.lower(t.abstract_state, t.abstract_batch(B, T)).compile().as_text()
+    items = hlo.collectives(text, setup.mesh)
+    # (XLA:CPU reduces the head's gradient as (V, D), from its matmul: not the table's)
+    assert not [c for c in items if (V, D) in c.shapes and not c.op_name.endswith("dot_general)")]
+    rows = [c for c in items if c.kind == "all-to-all"]
+    assert len(rows) == 2 and all(c.axes == ("fsdp",) for c in rows)
+    assert [c for c in items if (D, V) in c.shapes and c.kind == "all-gather"]  # the head: a weight

@@ -30,6 +30,16 @@ def test_picks_a_layout_that_fits_and_rejects_dp_with_the_reason():
     assert "--rules dp" not in best[0]  # replicated parameters: the slowest to fit, if at all
     # kv_heads = 2 cannot split over tensor = 8: rejected with the reason, not silently skipped.
     assert "--mesh tensor=8 --rules tp: layers/attn/wk_DKH: dimension 2 (kv_heads, size 2)" in r.stdout
+    # Every answer with the command that runs it, and the batch it was planned for.
+    lines = r.stdout.splitlines()
+    runs = [line for line in lines if line.startswith("     run: ")]
+    assert len(runs) == len([line for line in lines if line[:5] in ("  1. ", "  2. ")])
+    mesh = best[0].split("--mesh ")[1].split(" ")[0]
+    assert (
+        runs[0]
+        == f"     run: spmd-train --config tiny --mesh {mesh} --rules {best[0].split('--rules ')[1].split(':')[0]}"
+    )
+    assert "planned for: global batch 8 x 64 tokens" in r.stdout, r.stdout
 
 
 def test_goes_down_the_ranking_until_enough_fit_once_compiled():
@@ -58,6 +68,10 @@ def test_goes_down_the_ranking_until_enough_fit_once_compiled():
         if line.startswith("  ") and " --set " in line and ". --mesh" in line
     ]
     assert took and all(lines[i + 1].startswith("     why: as given the compiled step needed") for i in took)
+    assert all(
+        lines[i + 2].startswith("     run: spmd-train --config tiny --mesh ") and "--set" in lines[i + 2]
+        for i in took
+    )
     assert all("> budget 3.00 MiB" in line for line in lines if "compiled step needs" in line)
     assert "  2. --mesh" in r.stdout and "  3. --mesh" not in r.stdout
     capped = run_script(*args, "--max-compiles", "1")
@@ -148,3 +162,58 @@ def test_a_layout_that_does_not_fit_as_given_takes_the_memory_levers(devices):
     assert any(lv.startswith("train.microbatches=") for lv in best["levers"]), best["levers"]
     assert best["setup"].cfg.train.microbatches > 1
     assert "as given the compiled step needed" in best["why"]
+
+
+def test_gpu_clusters_are_planned_by_host_with_the_command_to_run():
+    """GPUs come 8 to a host (--hardware h100): 16 devices are 2 hosts, the outermost axes' shares
+    cross them, ranked by the analytic bytes of what NCCL runs, and the command to run puts those
+    shares in --dcn-mesh."""
+    from spmd.assembly.planner import command, split_over_hosts
+
+    assert split_over_hosts({"data": 8, "fsdp": 32}, 32) == ({"data": 8, "fsdp": 4}, {"data": 1, "fsdp": 8})
+    assert split_over_hosts({"tensor": 4}, 2) == ({"tensor": 2}, {"tensor": 2})
+    assert split_over_hosts({"data": 3}, 2) is None
+    assert command("llama-70b", "data=8,fsdp=32", "fsdp", ["train.global_batch_size=64"], 32) == (
+        "spmd-train --config llama-70b --dcn-mesh data=8,fsdp=4 --mesh fsdp=8 --rules fsdp "
+        "--set train.global_batch_size=64"
+    )
+    assert command("tiny", "fsdp=8", "fsdp", [], 1) == "spmd-train --config tiny --mesh fsdp=8 --rules fsdp"
+    r = run_script("plan", "--config", "tiny", "--devices", "16", "--memory-per-device", "80GiB", "--hardware",
+                   "h100", "--axes", "data,fsdp", "--candidates", "1", "--host-devices", "16",
+                   "--set", "train.global_batch_size=16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (
+        "2 host(s), 8 per host" in r.stdout and "the analytic bytes of the collectives NCCL runs" in r.stdout
+    )
+    (run,) = [line for line in r.stdout.splitlines() if line.startswith("     run: ")]
+    assert run.startswith("     run: spmd-train --config tiny --dcn-mesh ") and "DCN axes" in r.stdout
+    assert run.endswith(" --set train.global_batch_size=16")
+    for flags, message in (
+        (("--devices", "12"), "--devices 12 is not a whole number of hosts of 8 GPUs"),
+        (("--devices", "16", "--dcn", "4", "--gpus-per-host", "8"), "--dcn 4 hosts x --gpus-per-host 8 is not --devices 16"),
+    ):  # fmt: skip
+        bad = run_script(
+            "plan", "--config", "tiny", "--memory-per-device", "80GiB", "--hardware", "h100", *flags
+        )
+        assert bad.returncode == 2 and bad.stderr.startswith(f"error: {message}"), bad.stderr
+
+
+def test_a_dry_run_gives_a_verdict_against_a_memory_budget():
+    """spmd-dryrun --memory-per-device: fits, or over by how much with the levers the planner
+    would take (the cheapest remat x microbatches its activations say will fit)."""
+    import json
+
+    r = run_script("dryrun", "--config", "tiny", "--mesh", "fsdp=8", "--rules", "fsdp", "--json",
+                   "--memory-per-device", "1MiB", "--set", "model.remat=none", "--host-devices", "8")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    v = json.loads(r.stdout)["verdict"]
+    assert not v["fits"] and v["over"] == v["need"] - 2**20 > 0
+    assert v["levers"] and all(
+        lv.split("=")[0] in ("model.remat", "train.microbatches") for lv in v["levers"]
+    )
+    from spmd.assembly.config import load_config
+    from spmd.assembly.planner import verdict
+
+    report = json.loads(r.stdout)
+    roomy = verdict(load_config("tiny", ["model.remat=none"]), report, 2**30)
+    assert roomy["fits"] and roomy["levers"] == [] and roomy["over"] == 0

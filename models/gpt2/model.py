@@ -19,7 +19,7 @@ from spmd.core.family import Figures
 from spmd.core.logical import constrain
 from spmd.models import attention
 from spmd.models.decoder import REMAT_POLICIES, RESIDUAL_AXES, Decoder, attention_flops_per_token
-from spmd.models.layers import adapter, lookup_table, param, project
+from spmd.models.layers import adapter, embed_rows, param, project
 
 # The projections an adapter may adapt (spmd.core.family.adapter_of): weight attribute, contracted
 # leading axes.
@@ -195,7 +195,8 @@ class GPT2(Decoder):
     BLOCK = Block
 
     def init_input(self, cfg: GPT2Config, rngs: nnx.Rngs) -> None:
-        # The lookups read the parameter dtype (cast after): their gradients are scatter-adds in it.
+        # The lookups read the parameter dtype, their sum cast after (GPT-2's own rounding): their
+        # gradients are scatter-adds in it.
         self.wte_VD = param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), compute_cast=False)
         self.wpe_PD = param(
             rngs, cfg, (cfg.max_positions, cfg.d_model), ("positions", "embed"), compute_cast=False
@@ -206,8 +207,9 @@ class GPT2(Decoder):
 
     def embed(self, tokens_BT, positions_BT):
         # Padding (decoding left-padded prompts) has negative positions: any row will do, it is masked.
-        pos_BTD = jnp.take(lookup_table(self.wpe_PD[...], "positions"), jnp.maximum(positions_BT, 0), axis=0)
-        x_BTD = jnp.take(lookup_table(self.wte_VD[...]), tokens_BT, axis=0) + pos_BTD
+        stored = self.wte_VD[...].dtype
+        pos_BTD = embed_rows(self.wpe_PD[...], jnp.maximum(positions_BT, 0), stored, "positions")
+        x_BTD = embed_rows(self.wte_VD[...], tokens_BT, stored) + pos_BTD
         return x_BTD.astype(jnp.dtype(self.cfg.dtype))
 
     def head(self, x_BTD):

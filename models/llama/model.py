@@ -25,7 +25,7 @@ from spmd.models.decoder import (
     attention_flops_per_token,
     layer_groups,
 )
-from spmd.models.layers import MLP, RMSNorm, adapter, lookup_table, param, project, rope, rope_frequencies
+from spmd.models.layers import MLP, RMSNorm, adapter, embed_rows, param, project, rope, rope_frequencies
 from spmd.models.moe import MoE, MoEConfig, capacity
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -192,10 +192,7 @@ class Llama(Decoder):
         # Tied, the same table is the output head, whose logits x.e over a normalised x of norm
         # sqrt(D) must start small (loss ln V): it takes the matmul scale init_std, as Llama does.
         embed_std = cfg.init_std if cfg.tie_embeddings else 1.0
-        # The lookup reads the parameter dtype (cast after): its gradient is a scatter-add in that dtype.
-        self.embed_VD = param(
-            rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=embed_std, compute_cast=False
-        )
+        self.embed_VD = param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=embed_std)
 
     def init_output(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         self.final_norm = RMSNorm(cfg, rngs=rngs)
@@ -203,7 +200,7 @@ class Llama(Decoder):
             self.head_DV = param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens_BT, positions_BT):
-        return jnp.take(lookup_table(self.embed_VD[...]), tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return embed_rows(self.embed_VD[...], tokens_BT, jnp.dtype(self.cfg.dtype))
 
     def head(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)

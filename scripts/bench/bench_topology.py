@@ -45,15 +45,19 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every dry-run")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument(
+        "--backends", default="TPU,XLA:CPU", help="which compilers to run each row on [TPU,XLA:CPU]"
+    )
+    p.add_argument(
         "--over-hbm", action="store_true", help="compile TPU rows that do not fit anyway (peak marked 'over')"
     )
     args = p.parse_args()
     gib = lambda n: f"{n / 2**30:,.2f}"  # noqa: E731
     print(
         "| config | topology | rules | mesh | backend | peak / chip (GiB) | HBM | sent (GiB) | sent / min "
-        "| one-way / min | unexplained (GiB) | est. step (s) | est. MFU | compile (s) |"
+        "| one-way / min | unexplained (GiB) | est. step (s) | est. MFU | compile (s) | sent by kind: count, GiB "
+        "| Pallas calls / layer |"
     )
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for row in args.rows.split(","):
         config, generation, shape, rules, mesh = row.split(":")
         mesh = mesh.replace("/", ",")
@@ -63,10 +67,12 @@ def main() -> None:
             ("TPU", ["--topology", topology] + (["--over-hbm"] if args.over_hbm else [])),
             ("XLA:CPU", ["--host-devices", str(chips)]),
         ):
+            if backend not in args.backends.split(","):
+                continue
             r = dryrun(config, mesh, rules, args.set, flags, args.timeout)
             head = f"| {config} | {topology} | `{rules}` | {mesh} | {backend} |"
             if "error" in r:
-                print(f"{head} {r['error'][:150]} |||||||||", flush=True)
+                print(f"{head} {r['error'][:150]} |||||||||||", flush=True)
                 continue
             b, est, ex = r["per_device_bytes"], r.get("chip_estimate"), r["explain"]
             ratio = (
@@ -82,13 +88,19 @@ def main() -> None:
                 if r["analytic_minimum_total"]
                 else 0
             )
+            kinds = {}
+            for c in r["collectives"]:
+                count, volume = kinds.get(c["kind"], (0, 0.0))
+                kinds[c["kind"]] = (count + c["count"], volume + c["volume_bytes"])
+            by_kind = "; ".join(f"{k} {n:,}, {gib(v)}" for k, (n, v) in sorted(kinds.items()))
+            tail = f" {by_kind} | {r['kernel_calls_per_layer']:g} |"
             print(
                 f"{head} {gib(b['peak'])}{'' if est['fits'] else ' (over)'} | {gib(est['hbm_per_device'])} | "
                 f"{gib(r['collective_volume_bytes'])} | {ratio:.2f} | {one_way:.2f} | {gib(unexplained)} | "
-                f"{est['step_s']:.3f} | {est['mfu']:.1%} | {r['compile_seconds']:.0f} |"
+                f"{est['step_s']:.3f} | {est['mfu']:.1%} | {r['compile_seconds']:.0f} |{tail}"
                 if est
                 else f"{head} {gib(b['peak'])} | - | {gib(r['collective_volume_bytes'])} | {ratio:.2f} | {one_way:.2f} | "
-                f"{gib(unexplained)} | - | - | {r['compile_seconds']:.0f} |",
+                f"{gib(unexplained)} | - | - | {r['compile_seconds']:.0f} |{tail}",
                 flush=True,
             )
 

@@ -111,6 +111,7 @@ def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
             remaining = max(1, remaining // math.gcd(remaining, sizes[axis]))
     comm_s = sum(v / (hw["dcn"] if axis in dcn_axes else hw["ici"]) for axis, v in volume.items())
     return {
+        "sent_bytes": sum(volume.values()),
         "compute_s": compute_s,
         "comm_s": comm_s,
         "step_s": compute_s + comm_s,
@@ -292,6 +293,9 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "model_flops_per_device": flops / mesh.size,
         # What the program runs: recomputation and idle pipeline stages included.
         "compiled_matmul_flops_per_device": hlo.matmul_flops(text),
+        # Attention is the model's only Pallas kernel: its launches per step, and per layer.
+        "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
+        "kernel_calls_per_layer": calls / plan.family.figures(cfg.model, T).n_layers,
         "pipeline": pipeline_report(plan, rows),
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),

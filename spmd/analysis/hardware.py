@@ -16,14 +16,17 @@ class Chip:
     ici_bytes_per_s: float | None = None  # fast links inside a host or slice
     dcn_bytes_per_s: float | None = None  # links between hosts or slices
     hbm_bytes: float | None = None  # memory per chip
+    # GPUs in one host (one NVLink domain): axes beyond it cross hosts (DCN); None for TPUs, whose
+    # slices span hosts on ICI
+    per_host: int | None = None
 
 
 CHIPS = {
-    "h100": Chip(("H100",), 989e12, 450e9, 50e9),
-    "h200": Chip(("H200",), 989e12, 450e9, 50e9),
-    "h800": Chip(("H800",), 989e12),
-    "a100": Chip(("A100",), 312e12, 300e9, 25e9),
-    "l4": Chip(("L4",), 121e12),
+    "h100": Chip(("H100",), 989e12, 450e9, 50e9, per_host=8),
+    "h200": Chip(("H200",), 989e12, 450e9, 50e9, per_host=8),
+    "h800": Chip(("H800",), 989e12, per_host=8),
+    "a100": Chip(("A100",), 312e12, 300e9, 25e9, per_host=8),
+    "l4": Chip(("L4",), 121e12, per_host=8),
     # TPU datasheets (cloud.google.com/tpu/docs/v5e, v5p, v6e): HBM per chip; ICI one direction
     # per chip is half the bidirectional figure (v5e 400 GB/s, v6e 800 GB/s). v4's ICI figure is
     # not from its page (not at hand here): an estimate between v5e's and v5p's.

@@ -307,6 +307,25 @@ def summarize(items: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict
     return dict(table)
 
 
+# Custom calls that run a Pallas kernel: Mosaic on TPU, Triton and Mosaic GPU on GPUs.
+KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
+
+
+def kernel_calls(text: str) -> int:
+    """Pallas kernel launches per step (custom calls of KERNEL_TARGETS, weighted by the trip counts
+    of the loops around them)."""
+    comps, entry = _computations(text)
+    mult = _multipliers(comps, entry)
+    targets = "|".join(re.escape(t) for t in KERNEL_TARGETS)
+    pattern = re.compile(rf'custom_call_target="(?:{targets})"')
+    return sum(
+        mult.get(comp, 0)
+        for comp, lines in comps.items()
+        for line in lines
+        if (m := _INSTR.match(line)) and m.group(3) == "custom-call" and pattern.search(line)
+    )
+
+
 def library_fusions(text: str, kind: str) -> dict[str, list[tuple[str, str, str, str]]]:
     """The fused computations of an optimised module's library fusions of `kind` (XLA:CPU's
     backend_config kind, e.g. "__onednn_fusion"): {fusion instruction: [(name, opcode, result

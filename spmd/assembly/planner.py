@@ -187,9 +187,13 @@ def _levers(cfg, tried: dict, measured_need: int, state: int, budget: int) -> li
 
 
 def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, candidates: int = 6,
-           max_compiles: int | None = None, device_list=None, host_bytes_per_s: float = HOST_BYTES_PER_S) -> Search:  # fmt: skip
+           max_compiles: int | None = None, device_list=None, host_bytes_per_s: float = HOST_BYTES_PER_S,
+           analytic_comm: bool = False) -> Search:  # fmt: skip
     """Steps 1-4 of the module doc for `cfg` on `devices` devices with `budget` bytes each
-    (`device_list`: compile for these, e.g. a TPU topology's, instead of JAX's own)."""
+    (`device_list`: compile for these, e.g. a TPU topology's, instead of JAX's own).
+    `analytic_comm`: rank compiled layouts by the analytic bytes of their collectives (what NCCL
+    runs on GPUs: reduce-scatter and all-gather), not by the compiled step's, when the compiler is
+    not the target's (XLA:CPU all-reduces what GPUs reduce-scatter)."""
     from spmd.analysis.aot import DoesNotFit, dry_run, estimate, volume_by_axis
     from spmd.assembly.config import apply_overrides
     from spmd.assembly.setup import assemble
@@ -247,14 +251,21 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
                 break
             need = r["per_device_bytes"]["peak"]
             if need <= budget:
-                est = estimate(setup.cfg, setup.plan, hw, dcn, volume_by_axis(r["collectives"]))
+                est = estimate(
+                    setup.cfg,
+                    setup.plan,
+                    hw,
+                    dcn,
+                    None if analytic_comm else volume_by_axis(r["collectives"]),
+                )
                 recompute = REMAT_LEVER.get(setup.cfg.model.remat, (1.0, 1.0))[0]
                 est["compute_s"] *= recompute
                 if "optimizer.offload=true" in levers:
                     est["comm_s"] += 2 * setup.trainer.state_bytes()["optimizer_state"] / host_bytes_per_s
                 est["step_s"] = est["compute_s"] + est["comm_s"]
                 ranked.append({**cand, **est, "setup": setup, "levers": levers, "why": why, "need": need,
-                               "sent": r["collective_volume_bytes"], "compile_s": r["compile_seconds"],
+                               "sent": est["sent_bytes"] if analytic_comm else r["collective_volume_bytes"],
+                               "compile_s": r["compile_seconds"],
                                "notes": r["notes"]})  # fmt: skip
                 break
             state = (
@@ -290,3 +301,68 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
 def sets(levers: list[str]) -> str:
     """The levers as the flags that set them: ' --set model.remat=full ...'."""
     return "".join(f" --set {lv}" for lv in levers)
+
+
+def split_over_hosts(sizes: dict, hosts: int) -> tuple[dict, dict] | None:
+    """(the mesh across hosts, the mesh inside one) of a layout on `hosts` hosts, the outermost
+    axes (MESH_AXES order, as `estimate` counts them on DCN) taking the hosts' factors; None when
+    the hosts do not divide out of the axes in that order."""
+    across, inside, remaining = {}, dict(sizes), hosts
+    for axis in MESH_AXES:
+        size = inside.get(axis, 1)
+        if remaining == 1 or size == 1:
+            continue
+        share = next(d for d in range(min(size, remaining), 0, -1) if size % d == 0 and remaining % d == 0)
+        if share > 1:
+            across[axis], inside[axis], remaining = share, size // share, remaining // share
+    return (across, inside) if remaining == 1 else None
+
+
+def command(config: str, mesh: str, rules: str, overrides: list[str], hosts: int = 1) -> str:
+    """The spmd-train command line that runs a planned layout: across several hosts, `--dcn-mesh`
+    for the axes that span them and `--mesh` for one host's share (docs/multihost.md)."""
+    from spmd.core.mesh import parse_mesh
+
+    sizes = {a: s for a, s in parse_mesh(mesh).items() if s > 1} or {"data": 1}
+    split = split_over_hosts(sizes, hosts) if hosts > 1 else None
+    if split is None:
+        where = f"--mesh {format_mesh(sizes, empty='data=1')}"
+    else:
+        across, inside = split
+        where = f"--dcn-mesh {format_mesh(across)} --mesh {format_mesh(inside, empty='data=1')}"
+    return f"spmd-train --config {config} {where} --rules {rules}" + "".join(f" --set {o}" for o in overrides)
+
+
+def verdict(cfg, report: dict, budget: int) -> dict:
+    """Whether a dry-run's compiled step fits `budget` bytes per device: {fits, need, budget, over,
+    levers}; over budget, `levers` are the config overrides the planner would take (the cheapest
+    remat x microbatches setting its measured activations say will fit) or, where the train state
+    alone does not fit, what it would need instead."""
+    per = report["per_device_bytes"]
+    need = per["peak"]
+    out = {
+        "fits": need <= budget,
+        "need": need,
+        "budget": budget,
+        "over": max(0, need - budget),
+        "levers": [],
+    }
+    if out["fits"]:
+        return out
+    static = per["params"] + per["gradients"] + per["optimizer_state"]
+    if static > budget:
+        out["levers"] = [
+            "more devices on the fsdp axis (params + gradients + optimizer state alone are over)"
+        ]
+        if not cfg.optimizer.offload:
+            out["levers"].append("optimizer.offload=true (the optimizer state in host memory)")
+        return out
+    state = per["arguments"] + per["outputs"] - per["aliased"]
+    tried = {"remat": cfg.model.remat, "microbatches": cfg.train.microbatches}
+    options = _levers(cfg, tried, need, state, budget)
+    given = {"model.remat": cfg.model.remat, "train.microbatches": str(cfg.train.microbatches)}
+    if options:
+        out["levers"] = [lv for lv in options[0][1] if given[lv.split("=")[0]] != lv.split("=")[1]]
+    else:
+        out["levers"] = ["more devices (no remat x microbatches setting is predicted to fit)"]
+    return out

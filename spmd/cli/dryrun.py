@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --topology: compile a step that does not fit the chip's HBM anyway (the report says "
         "so) to see its memory and collectives, instead of the compiler's refusal",
     )
+    p.add_argument(
+        "--memory-per-device",
+        help="memory budget of each device, with a unit (80GiB, 512MiB): the report says whether the "
+        "compiled step fits it, and over it, the levers spmd-plan would take [--topology's HBM per device]",
+    )
     add_host_devices(p, "fake CPU devices standing in for the topology", from_env=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="also list every collective instruction")
@@ -61,11 +66,16 @@ def run(args) -> int:
         raise UserError("--num-slices needs --topology")
     elif args.over_hbm:
         raise UserError("--over-hbm needs --topology (XLA:CPU has no memory limit to go over)")
-    report = dry_run(
-        assemble(args.config, args.mesh, args.rules, overrides=args.set, devices=devices, dcn_mesh=dcn_mesh),
-        list_instructions=args.list,
-        explain=args.explain,
+    from spmd.assembly import planner
+
+    budget = planner.parse_bytes(args.memory_per_device) if args.memory_per_device else None
+    setup = assemble(
+        args.config, args.mesh, args.rules, overrides=args.set, devices=devices, dcn_mesh=dcn_mesh
     )
+    report = dry_run(setup, list_instructions=args.list, explain=args.explain)
+    if budget is None and report["chip_estimate"]:
+        budget = int(report["chip_estimate"]["hbm_per_device"])
+    report["verdict"] = planner.verdict(setup.cfg, report, budget) if budget is not None else None
     if args.json:
         print(json.dumps(report))
     else:
@@ -107,6 +117,12 @@ def print_report(r: dict) -> None:
             if r["compiled_matmul_flops_per_device"] is not None
             else "  compiled matmuls n/a (the TPU compiler writes them as convolutions)\n"
         )
+        + (
+            f"  Pallas kernel calls {r['kernel_calls_per_step']:,} per step "
+            f"({r['kernel_calls_per_layer']:g} per layer: the attention's forward and backward)\n"
+            if r["kernel_calls_per_step"]
+            else ""
+        )
     )
     pp = r.get("pipeline")
     if pp:
@@ -128,6 +144,17 @@ def print_report(r: dict) -> None:
             + (f", DCN axes {','.join(est['dcn_axes'])}" if est["dcn_axes"] else "")
             + f"; not overlapped): MFU {est['mfu']:.1%}\n"
         )
+    v = r.get("verdict")
+    if v:
+        if v["fits"]:
+            print(f"verdict: fits ({fmt_bytes(v['need'])} of {fmt_bytes(v['budget'])} per device)\n")
+        else:
+            flags = " ".join(f"--set {lv}" for lv in v["levers"] if " " not in lv)
+            levers = "; ".join([flags] * bool(flags) + [lv for lv in v["levers"] if " " in lv])
+            print(
+                f"verdict: over by {fmt_bytes(v['over'])} ({fmt_bytes(v['need'])} of {fmt_bytes(v['budget'])} "
+                f"per device); spmd-plan would take: {levers}\n"
+            )
     for note in r.get("notes", []):
         print(f"note: {note}")
     backend = "TPU compiler" if r["platform"] == "tpu" else f"XLA {r['platform'].upper()} backend"

@@ -37,8 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dcn",
         type=int,
-        default=1,
-        help="hosts (slices) the devices span; cross-host axes use DCN bandwidth",
+        help="hosts (slices) the devices span; cross-host axes use DCN bandwidth [GPUs: --devices / "
+        "--gpus-per-host; else 1]",
+    )
+    p.add_argument(
+        "--gpus-per-host",
+        type=int,
+        help="GPUs in one host (one NVLink domain): the axes beyond it cross hosts [--hardware's: 8 for "
+        "h100, h200, a100]",
     )
     p.add_argument(
         "--hardware",
@@ -83,6 +89,32 @@ def _t(seconds: float) -> str:
     return f"{seconds:.3f}s" if seconds >= 0.1 else f"{seconds * 1e3:.3f}ms"
 
 
+def hosts_of(args) -> int:
+    """The hosts the devices span: --dcn as given; for GPUs, --devices / --gpus-per-host (default:
+    the chip's GPUs per host); else 1."""
+    from spmd.analysis.hardware import CHIPS
+    from spmd.core.errors import UserError
+
+    per_host = args.gpus_per_host if args.gpus_per_host is not None else CHIPS[args.hardware].per_host
+    if args.gpus_per_host is not None and args.gpus_per_host < 1:
+        raise UserError(f"--gpus-per-host must be at least 1, got {args.gpus_per_host}")
+    if args.dcn is not None:
+        if args.gpus_per_host is not None and args.dcn * args.gpus_per_host != args.devices:
+            raise UserError(
+                f"--dcn {args.dcn} hosts x --gpus-per-host {args.gpus_per_host} is not --devices "
+                f"{args.devices}; give one of --dcn and --gpus-per-host"
+            )
+        return args.dcn
+    if per_host is None or args.devices <= per_host:
+        return 1
+    if args.devices % per_host:
+        raise UserError(
+            f"--devices {args.devices} is not a whole number of hosts of {per_host} GPUs; give --devices "
+            f"as a multiple of {per_host}, or --gpus-per-host"
+        )
+    return args.devices // per_host
+
+
 def run(args) -> int:
     from spmd.assembly import planner
     from spmd.assembly.config import load_config
@@ -95,8 +127,10 @@ def run(args) -> int:
 
         if args.host_devices is not None:
             raise UserError("--topology and --host-devices both name the devices; give one")
-        if args.dcn != 1:
-            raise UserError("spmd-plan --topology plans one slice; --dcn is not supported with it")
+        if args.dcn not in (None, 1) or args.gpus_per_host is not None:
+            raise UserError(
+                "spmd-plan --topology plans one slice; --dcn and --gpus-per-host are not supported with it"
+            )
         set_host_platform()
         device_list = topology.devices(args.topology)
         if args.devices not in (None, len(device_list)):
@@ -115,6 +149,7 @@ def run(args) -> int:
         )
     elif args.host_devices is None:
         set_host_devices(args.devices)
+    hosts = hosts_of(args)
     cfg = load_config(args.config, args.set)
     budget = planner.parse_bytes(memory)
     hw = planner.hardware(args.hardware, args.peak_tflops, args.ici_gbps, args.dcn_gbps)
@@ -124,13 +159,26 @@ def run(args) -> int:
         hw = {k: v / cores_per_chip(device_list) for k, v in hw.items()}
     if not args.host_gbps > 0:
         raise UserError(f"--host-gbps must be a positive number, got {args.host_gbps}")
-    found = planner.search(cfg, args.devices, budget, hw, args.dcn, planner.search_axes(cfg, args.axes), args.candidates,
-                        args.max_compiles, device_list, args.host_gbps * 1e9)  # fmt: skip
+    # On fake CPU devices the compiled collectives are XLA:CPU's, not the target's: rank by the
+    # analytic bytes of what the target's library runs instead.
+    analytic = device_list is None
+    found = planner.search(cfg, args.devices, budget, hw, hosts, planner.search_axes(cfg, args.axes), args.candidates,
+                        args.max_compiles, device_list, args.host_gbps * 1e9, analytic_comm=analytic)  # fmt: skip
 
+    per_host = f", {args.devices // hosts} per host" if hosts > 1 else ""
     print(
         f"{cfg.name} on {args.devices} devices ({args.hardware}: {hw['peak'] / 1e12:.0f} TFLOP/s, "
-        f"ICI {hw['ici'] / 1e9:.0f} GB/s, DCN {hw['dcn'] / 1e9:.0f} GB/s, {args.dcn} host(s)), "
+        f"ICI {hw['ici'] / 1e9:.0f} GB/s, DCN {hw['dcn'] / 1e9:.0f} GB/s, {hosts} host(s){per_host}), "
         f"budget {fmt_bytes(budget)} per device\n"
+        f"planned for: global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens "
+        f"(train.global_batch_size, train.seq_len), model.remat={cfg.model.remat}\n"
+        + (
+            "communication: the analytic bytes of the collectives NCCL runs (each FSDP weight all-gathered, "
+            "its gradient reduce-scattered; data-parallel gradients all-reduced), not XLA:CPU's compiled ones "
+            "(it all-reduces what GPUs reduce-scatter)\n"
+            if analytic
+            else "communication: the TPU compiler's compiled collectives\n"
+        )
     )
     print("best layouts (dry-run compiled; step time = compute + communication, not overlapped):")
     for i, c in enumerate(found.ranked[:5], 1):
@@ -143,6 +191,8 @@ def run(args) -> int:
         )
         if c["why"]:
             print(f"     why: {c['why']}")
+        run_cmd = planner.command(args.config, c["mesh"], c["rules"], [*args.set, *c["levers"]], hosts)
+        print(f"     run: {run_cmd}")
         for note in c.get("notes", []):
             print(f"     note: {note}")
     if not found.ranked:

@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping
 
 import jax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from spmd.core.mesh import axes_size
+from spmd.core.mesh import axes_size, spec_axes
 
 # Logical axes of activations that both the model and the parallel implementations name.
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")  # queries and attention outputs, BTNH
@@ -48,6 +49,11 @@ class Lowering:
     # the MoE experts' grouped matmuls: "ragged_dot", or "tiles" of one expert's rows (XLA:CPU
     # lowers ragged_dot densely: every row times every expert)
     grouped_matmul: str = "ragged_dot"
+    # projections as one 2-D matmul on flattened operands (models.layers.project): XLA:CPU runs the
+    # backward of a dot with two contracting axes far slower than the flattened one; elsewhere the
+    # dot keeps the weight's own shape, because under FSDP with recomputation the compiler gathers a
+    # reshaped weight once per shape (twice the gathers)
+    flatten_matmuls: bool = False
 
     @classmethod
     def for_platform(cls, platform: str, flash_blocks: tuple = ()) -> "Lowering":
@@ -58,6 +64,7 @@ class Lowering:
             interpret=cpu,
             flash_blocks=flash_blocks,
             grouped_matmul="tiles" if cpu else "ragged_dot",
+            flatten_matmuls=cpu,
         )
 
     def to_json(self) -> dict:
@@ -69,7 +76,8 @@ class Lowering:
         return (
             f"attention batch x heads {'merged' if self.merge_batch_heads else 'apart'}, softmax backward "
             f"{self.attention_vjp}, Pallas {'interpreted' if self.interpret else 'compiled'} (flash blocks "
-            f"{blocks}), MoE experts as {self.grouped_matmul}"
+            f"{blocks}), MoE experts as {self.grouped_matmul}, projections "
+            f"{'flattened to 2-D' if self.flatten_matmuls else 'in their own shapes'}"
         )
 
 
@@ -159,6 +167,21 @@ def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     if current is None:
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, current.rules.spec(logical)))
+
+
+def constrain_whole_over(x: jax.Array, logical: tuple[str | None, ...], over: str) -> jax.Array:
+    """constrain(x, logical), except that x's dimensions other than the one named `over` are whole
+    over the mesh axes that split the logical axis `over` (e.g. a lookup's ids gathered over the
+    devices that share one slice of the table's embed dimension)."""
+    current = _ACTIVE.get()
+    if current is None:
+        return x
+    taken = set(current.rules.mapping.get(over, ()))
+    spec = []
+    for name, entry in zip(logical, current.rules.spec(logical), strict=False):
+        kept = spec_axes(entry) if name == over else tuple(a for a in spec_axes(entry) if a not in taken)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, P(*spec)))
 
 
 def can_merge(logical: tuple[str, ...]) -> bool:
