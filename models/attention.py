@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from spmd.core.logical import KV_AXES, Q_AXES, TOKEN_AXES, is_split, lowering, per_shard, provided
 from spmd.kernels.chunked_attention import chunked_attention
 from spmd.kernels.flash_attention import BlockSizes, flash_attention
+from spmd.kernels.splash_attention import splash_attention
 
 # Causal self-attention in plain XLA runs as query blocks, each against the keys up to its end, so
 # the masked upper triangle of blocks is never computed: n blocks do (n+1)/2n of the full work.
@@ -232,6 +233,21 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids
     )
 
 
+def splash(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None):
+    """JAX's splash attention (kernels/splash_attention.py), run per device on its batch and head
+    shards as the flash kernel is; interpret mode where the run's Lowering says (CPU: the tests)."""
+    kernel = functools.partial(splash_attention, causal=causal, interpret=lowering().interpret)
+    if segment_ids_BT is None:
+        return per_shard(kernel, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q_BTNH, k_BSKH, v_BSKH)
+
+    def with_segments(q, k, v, seg):
+        return kernel(q, k, v, segment_ids_BT=seg)
+
+    return per_shard(with_segments, (Q_AXES, KV_AXES, KV_AXES, TOKEN_AXES), Q_AXES)(
+        q_BTNH, k_BSKH, v_BSKH, segment_ids_BT
+    )
+
+
 def cudnn_attention(
     q_BTNH, k_BSKH, v_BSKH, *, causal: bool = True, segment_ids_BT=None, implementation="cudnn"
 ):
@@ -255,6 +271,7 @@ ATTENTION_IMPLS = {
     # The same kernel in the block layout Mosaic (TPU) lowers; `pallas` and `auto` resolve to it on
     # TPU. It runs in interpret mode where the Lowering says (CPU: the tests), like the other.
     "pallas_tpu": functools.partial(pallas_attention, tpu=True),
+    "splash": splash,
 }
 
 
@@ -270,8 +287,12 @@ LOCAL_IMPLS = {
     "chunked": chunked_attention,
     "pallas": _local_flash,
     "pallas_tpu": functools.partial(_local_flash, tpu=True),
+    "splash": lambda q, k, v, **kw: splash_attention(q, k, v, interpret=lowering().interpret, **kw),
 }
-KERNEL_IMPLS = ("pallas", "pallas_tpu")
+# The kernel the ring's blocks run for each implementation: the flash kernel, whose log-sum-exp
+# output has a gradient (splash's does not: its residuals are not differentiable), so splash runs
+# rings on the flash kernel's TPU layout.
+RING_KERNELS = {"pallas": "pallas", "pallas_tpu": "pallas_tpu", "splash": "pallas_tpu"}
 
 
 def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None):
@@ -290,7 +311,7 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, impl: str, segment_ids_BT=None)
             segment_ids_BT,
             causal=True,
             local_impl=LOCAL_IMPLS[impl],
-            kernel=impl if impl in KERNEL_IMPLS else None,
+            kernel=RING_KERNELS.get(impl),
         )
     if segment_ids_BT is None:
         return ATTENTION_IMPLS[impl](q_BTNH, k_BTKH, v_BTKH, causal=True)

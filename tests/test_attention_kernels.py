@@ -84,6 +84,38 @@ def test_fp32_matches_reference(impl, causal, groups, segments, T):
     check(impl, causal, groups, segments, T, jnp.float32)
 
 
+SPLASH = [(True, 1, False, jnp.float32), (True, 4, True, jnp.float32), (False, 2, True, jnp.float32),
+          (True, 2, True, jnp.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "causal,groups,segments,dtype",
+    SPLASH,
+    ids=[f"causal{c}-G{g}-seg{s}-{jnp.dtype(d).name}" for c, g, s, d in SPLASH],
+)
+def test_splash_matches_reference(causal, groups, segments, dtype):
+    """JAX's splash attention behind our signature (interpret mode): GQA without repeating K/V,
+    packed documents by segment ids, its queries scaled before the kernel; forward and gradients
+    against the fp32 reference on the same rounded inputs, fresh every run."""
+    from spmd.kernels.splash_attention import splash_attention
+
+    rng = np.random.default_rng()
+    q, k, v, seg = inputs(rng, 256, groups, dtype, segments, B=1, H=32)
+    w_o = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    exact = [x.astype(jnp.float32) for x in (q, k, v)]
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w_o)
+
+    ours = functools.partial(splash_attention, causal=causal, segment_ids_BT=seg, interpret=True)
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids_BT=seg)[0]  # noqa: E731
+    o = ours(q, k, v)
+    assert o.dtype == dtype and o.shape == q.shape and rel_err(o, ref(*exact)) <= TOL[dtype]
+    grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    for name, g, r in zip("qkv", grads, jax.grad(loss(ref), argnums=(0, 1, 2))(*exact)):
+        assert g.dtype == dtype and rel_err(g, r) <= TOL[dtype], f"d{name}: {rel_err(g, r)}"
+
+
 @pytest.mark.parametrize("T,chunk", [(64, 64), (130, 64), (1024, 128)])
 @pytest.mark.parametrize("causal,segments", [(True, False), (False, True)])
 def test_chunked_compiled_with_onednn_matches_reference(T, chunk, causal, segments):
@@ -322,11 +354,22 @@ def test_auto_on_a_gpu_runs_what_was_measured_fastest_there(monkeypatch, tmp_pat
 
 def test_selection():
     from spmd.assembly import policy
+    from spmd.core.errors import UserError
 
     assert policy.attention("auto", 64, "cpu") == "xla"
     assert policy.attention("auto", 4096, "cpu") == "chunked"
     assert policy.attention("auto", 64, "gpu") == "pallas"
     assert policy.attention("pallas", 64, "tpu") == policy.attention("auto", 64, "tpu") == "pallas_tpu"
+    assert policy.attention("auto", 8192, "tpu") == policy.attention("splash", 8192, "tpu") == "splash"
+    assert "not a multiple of splash's 128-position block" in policy.auto_reason(
+        1000, "tpu", "bfloat16", "", 128, False
+    )
+    for platform, seq, message in (
+        ("gpu", 8192, "splash is JAX's TPU kernel"),
+        ("tpu", 1000, "a multiple of 128"),
+    ):
+        with pytest.raises(UserError, match=message):
+            policy.attention("splash", seq, platform)
     for requested, platform, note in (("pallas", "cpu", "interpret mode"), ("auto", "tpu", "Mosaic")):
         choices = policy.Choices(
             platform, requested, policy.attention(requested, 64, platform), "xla", "xla", None, None, False

@@ -310,20 +310,23 @@ def test_pallas_flash_attention_compiles_for_tpu(T, groups, causal):
     assert hlo.kernel_calls(compiled.as_text()) == 3
 
 
-def test_attention_auto_is_the_pallas_kernel_in_a_tpu_train_step():
-    """auto -> pallas_tpu on a TPU topology: a context-parallel train step, whose ring blocks are
-    the kernel, compiles with Mosaic calls."""
-    from spmd.analysis import topology
+def test_attention_auto_is_splash_in_a_tpu_train_step():
+    """auto -> splash on a TPU topology: a train step runs at most 4 attention kernels per layer
+    (forward, forward again under recomputation, one fused backward); a context-parallel ring's
+    blocks run the flash kernel's TPU layout (they need the log-sum-exp with its gradient)."""
+    from spmd.analysis import hlo, topology
     from spmd.assembly.setup import assemble
 
     devices = topology.devices("v5p:2x2x1")
-    for mesh, rules in (("fsdp=2,context=2", "cp_ring"),):  # (the dense kernel: the test above)
-        s = assemble(
-            "tiny", mesh, rules, devices=devices,
-            overrides=["train.seq_len=1024", "model.head_dim=128", "model.dtype=bfloat16", "model.attention_impl=auto"],
-        )  # fmt: skip
-        assert s.attention == "auto -> pallas_tpu (Mosaic)"
+    wide = ["train.seq_len=1024", "model.head_dim=128", "model.dtype=bfloat16", "model.attention_impl=auto"]
+    for mesh, rules, remat in (("fsdp=4", "fsdp", "full"), ("fsdp=2,context=2", "cp_ring", "save_dots")):
+        s = assemble("tiny", mesh, rules, devices=devices, overrides=[*wide, f"model.remat={remat}"])
+        assert s.attention.startswith("auto -> splash (Mosaic)")
         text = s.trainer.train_step.lower(
             s.trainer.abstract_state, s.trainer.abstract_batch(8, 1024)
         ).compile()
-        assert text.as_text().count('custom_call_target="tpu_custom_call"') >= 3
+        calls = hlo.kernel_calls(text.as_text())
+        if rules == "fsdp":
+            assert 0 < calls <= 4 * s.cfg.model.n_layers and "splash" in text.as_text()
+        else:
+            assert calls >= 3 and "flash_attention_dkv" in text.as_text()

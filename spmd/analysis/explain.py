@@ -23,6 +23,7 @@ import collections
 import math
 import re
 
+from spmd.core.mesh import axes_size
 from spmd.parallel.strategy import (  # noqa: F401 (AS_ALL_REDUCE_*: what the explanation's rows say)
     AS_ALL_REDUCE,
     AS_ALL_REDUCE_GATHER,
@@ -40,10 +41,23 @@ from spmd.parallel.strategy import (  # noqa: F401 (AS_ALL_REDUCE_*: what the ex
 
 
 def embedding_lookup(c, seen):
-    """The embedding lookup (jnp.take on the vocab-by-embed table): token ids and rows moved."""
+    """The embedding lookup (jnp.take on the vocab-by-embed table): token ids and rows moved; or
+    the looked-up rows going to (and their gradient coming from) the batch's devices by an
+    all-to-all over the axes that split the table's embed dimension (models.layers.embed_rows)."""
+    embed = next((p for p in seen.plan.params if p.logical and p.logical[0] == "vocab"), None)
+    if c.kind == "all-to-all" and embed is not None and names_on(seen.rules, seen.axes, ("embed",)):
+        seen.tokens()
+        if sum(math.prod(s) for s in seen.shapes) in {n * seen.D for n in seen.token_counts}:
+            return rule(
+                ["embed"], seen.axes
+            ), "embedding rows looked up where the table's columns live, moved to the batch's devices"
+    if c.kind == "all-gather" and embed is not None and "batch[" in c.op_name.replace("\\", ""):
+        if names_on(seen.rules, seen.axes, ("embed",)):
+            return rule(
+                ["embed"], seen.axes
+            ), "token ids gathered for the lookup where the table's columns live"
     if "_take" not in c.op_name:
         return None
-    embed = next((p for p in seen.plan.params if p.logical and p.logical[0] == "vocab"), None)
     names = names_on(seen.rules, seen.axes, embed.logical if embed else ()) or seen.token_names
     if names:
         return rule(names, seen.axes), "embedding lookup: token ids and rows moved"
@@ -102,6 +116,17 @@ PARTITIONER = (
 )
 
 
+def same_array(shape, p_shape, seen) -> bool:
+    """Whether a collective's array is shaped as a parameter's: equal but for unit dims (compilers
+    add and drop them), or, gathered over the collective's devices, with its first dim split into
+    (those devices, rows of each): the form the TPU compiler gathers a sharded weight update in."""
+    a, b = squeeze(shape), squeeze(p_shape)
+    if a == b:
+        return True
+    split = len(a) == len(b) + 1 and a[0] * a[1] == b[0] and a[2:] == b[1:]
+    return split and seen.c.kind == "all-gather" and a[0] == axes_size(seen.sizes, seen.axes)
+
+
 def attribute(c, plan, cfg) -> tuple[str, str] | None:
     """(rule, what) for one hlo.Collective, or None where nothing explains it: the first of the
     strategies' attributions (and the partitioner's) that matches, scope by scope."""
@@ -113,7 +138,7 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
     }
     for shape in seen.shapes:
         for p_shape, p, dim in seen.params:
-            if squeeze(shape) != squeeze(p_shape):  # (compilers add and drop unit dims)
+            if not same_array(shape, p_shape, seen):
                 continue
             for a in scopes["param"]:
                 found = a.match(c, seen, shape, p, dim)

@@ -122,8 +122,10 @@ def _counter_step(body, index: int) -> int:
     return 1
 
 
-def _multipliers(comps, entry) -> dict[str, int]:
-    """How many times each computation runs per execution of the entry computation."""
+def _multipliers(comps, entry, all_branches: bool = False) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation.
+    `all_branches`: every branch of a conditional counted as if it ran (an upper bound: one does);
+    else only the first is followed."""
     mult = collections.defaultdict(int)
     mult[entry] = 1
     order = [entry]
@@ -148,9 +150,13 @@ def _multipliers(comps, entry) -> dict[str, int]:
                         comps.get(body.group(1), []) if body else [],
                     )
                 )
-            for attr, callee in re.findall(
-                r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest
-            ):
+            called = re.findall(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest)
+            branches = re.search(r"\bbranch_computations=\{([^}]*)\}", rest) if all_branches else None
+            if branches:
+                called += [
+                    ("branch_computations", b) for b in re.findall(r"%([\w.\-]+)", branches.group(1))[1:]
+                ]
+            for attr, callee in called:
                 factor = trips if attr in ("body", "condition") else 1
                 mult[callee] += mult[comp] * factor
                 if callee not in seen:
@@ -313,9 +319,10 @@ KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
 
 def kernel_calls(text: str) -> int:
     """Pallas kernel launches per step (custom calls of KERNEL_TARGETS, weighted by the trip counts
-    of the loops around them)."""
+    of the loops around them; in a conditional, every branch's, an upper bound: a ring's blocks
+    are computed or skipped by one)."""
     comps, entry = _computations(text)
-    mult = _multipliers(comps, entry)
+    mult = _multipliers(comps, entry, all_branches=True)
     targets = "|".join(re.escape(t) for t in KERNEL_TARGETS)
     pattern = re.compile(rf'custom_call_target="(?:{targets})"')
     return sum(

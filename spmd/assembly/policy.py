@@ -4,11 +4,12 @@ run is assembled (spmd.assembly.setup) into concrete values that the config, the
 - `model.attention_impl = "auto"`: on a GPU the implementation measured fastest on that device
   kind for the nearest shape (spmd.kernels.tuning: cuDNN or the Pallas flash kernel), the flash
   kernel where nothing was measured, or with packed documents (cuDNN takes them only as a dense
-  T x T mask); on TPU the flash kernel (Mosaic: `pallas_tpu`, the kernel's TPU block layout;
-  `pallas` there means it too); on CPU chunked attention (memory O(T)) from CHUNKED_FROM
+  T x T mask); on TPU JAX's splash attention (`splash`, kernels/splash_attention.py) where the
+  sequence is a multiple of its 128-position block, else the flash kernel (Mosaic: `pallas_tpu`,
+  the kernel's TPU block layout; `pallas` there means it too); on CPU chunked attention (memory O(T)) from CHUNKED_FROM
   positions, plain XLA attention below. `cudnn` (cuDNN's
-  fused attention) only on NVIDIA GPUs with a 16-bit compute dtype; elsewhere an error that names
-  the alternatives.
+  fused attention) only on NVIDIA GPUs with a 16-bit compute dtype, `splash` only on TPU (and in
+  interpret mode on CPU, for tests); elsewhere an error that names the alternatives.
 - The matmul library of CPU step programs (`cpu.matmul`, spmd/platform/cpu_matmul.py): oneDNN or XLA's own.
 - XLA options of the CPU parameter initialiser and train step (below).
 - How a pure data-parallel step sums its gradients (`cpu.grad_reduce`, spmd/parallel/dataparallel.py).
@@ -29,13 +30,15 @@ import jax
 from spmd.core.errors import UserError
 from spmd.core.logical import Lowering
 from spmd.kernels import tuning
+from spmd.kernels.splash_attention import MIN_BLOCK as SPLASH_BLOCK
+from spmd.kernels.splash_attention import supported as splash_supported
 from spmd.parallel.dataparallel import GRAD_REDUCE
 from spmd.platform.cpu_matmul import CPU_MATMUL
 from spmd.platform.hostmem import HOST_HEAP
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
 CHUNKED_FROM = 1024
-KERNELS = ("pallas", "pallas_tpu")
+KERNELS = ("pallas", "pallas_tpu", "splash")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 # The parameter initialiser on CPU is mostly threefry random bits, one fusion per parameter, and
@@ -105,7 +108,25 @@ def _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed) ->
                 f"model.attention_impl = cudnn runs in bfloat16 or float16, and model.dtype is {dtype}: set "
                 f"model.dtype=bfloat16, or use {others}"
             )
-    if platform == "tpu" and name in ("auto", "pallas"):
+    if name == "splash":
+        if platform in GPU_PLATFORMS:
+            raise UserError(
+                f"model.attention_impl = splash is JAX's TPU kernel; this run's devices are {platform}: "
+                "use auto, pallas, cudnn, chunked or xla"
+            )
+        if not splash_supported(seq_len):
+            raise UserError(
+                f"model.attention_impl = splash needs train.seq_len a multiple of {SPLASH_BLOCK}, got "
+                f"{seq_len}: change the sequence length, or use auto or pallas"
+            )
+    if platform == "tpu" and name == "auto":
+        if splash_supported(seq_len):
+            return "splash", "TPU: JAX's splash attention"
+        return (
+            "pallas_tpu",
+            f"TPU, {seq_len} positions is not a multiple of splash's {SPLASH_BLOCK}-position block",
+        )
+    if platform == "tpu" and name == "pallas":
         return "pallas_tpu", ""
     if name == "auto":
         if platform in GPU_PLATFORMS:
@@ -171,6 +192,7 @@ class Choices:
         note = {
             "pallas": " (interpret mode on CPU: slow, for tests)" if cpu else " (Triton)",
             "pallas_tpu": " (interpret mode on CPU: slow, for tests)" if cpu else " (Mosaic)",
+            "splash": " (interpret mode on CPU: slow, for tests)" if cpu else " (Mosaic)",
             "chunked": " (O(T) memory)",
         }.get(impl, "")
         why = (
