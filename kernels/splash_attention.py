@@ -1,8 +1,10 @@
 """JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention), the TPU kernel MaxText
 and the other TPU stacks run, behind this project's attention signature: (B, T, N, H) queries,
 (B, S, K, H) keys and values (grouped-query: N a multiple of K), causal, packed documents by
-segment ids. Its backward is one fused call (dQ, dK and dV together), so a layer runs three
-kernels: forward, forward again under recomputation, backward.
+segment ids. Its backward is two calls, dK/dV (over a kv head's query heads in one grid) and dQ,
+so a layer runs four kernels: forward, forward again under recomputation, dK/dV, dQ. (Splash's
+fused backward, one call, writes dQ once per key block in float32 before summing: at llama-70b's
+64 heads x 8k positions that is 4 GiB more at the peak.)
 
 Splash takes no softmax scale: the queries are scaled before the call (rounded once, in their
 dtype), as MaxText does. Sequences are split into blocks of at most BLOCK positions; T and S must
@@ -43,7 +45,8 @@ def _kernel(T: int, S: int, N: int, causal: bool, interpret: bool):
         block_q_dkv=bq,
         block_kv_dkv=bk,
         block_kv_dkv_compute=bk,
-        use_fused_bwd_kernel=True,
+        block_q_dq=bq,
+        block_kv_dq=bk,
     )
     return splash.make_splash_mha(
         masks.MultiHeadMask([mask] * N),
