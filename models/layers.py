@@ -5,6 +5,7 @@ Legend: B batch, T sequence, D embed (d_model), N query heads, H head dim, F mlp
 `cfg` is a model family's config (spmd.core.family): d_model, d_ff, init_std, param_dtype, norm_eps, ... .
 """
 
+import functools
 import math
 
 import jax
@@ -39,6 +40,8 @@ def project(x, w, n_in: int = 1, lead_axes=("batch", "seq"), adapter=None):
 
 def _contract(x, w, n_in: int, lead_axes):
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
+    if lowering().float32_weight_grads and x.dtype != jnp.float32:
+        return _contract_f32_grad(x, w, n_in)
     if not lowering().flatten_matmuls or not can_merge(lead_axes):
         return jax.lax.dot_general(
             x, w.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
@@ -47,6 +50,39 @@ def _contract(x, w, n_in: int, lead_axes):
     # On CPU the backward's dots (x^T g contracts the tokens of both operands) go to oneDNN
     # (spmd/platform/cpu_matmul.py), which takes transposed operands as they are, in the compute dtype.
     return (x_MK @ w_KN.astype(x.dtype)).reshape(*lead, *out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _contract_f32_grad(x, w, n_in: int):
+    """x's last n_in axes contracted with w's first n_in, in x's dtype; the weight's gradient leaves
+    its matmul in float32 (accumulated there, and so reduced across devices in it) and is returned
+    in w's dtype (train.grad_reduce_dtype = "float32")."""
+    return jax.lax.dot_general(x, w.astype(x.dtype), (_dims(x.ndim, n_in), ((), ())))
+
+
+def _dims(x_ndim: int, n_in: int):
+    return tuple(range(x_ndim - n_in, x_ndim)), tuple(range(n_in))
+
+
+def _contract_f32_grad_fwd(x, w, n_in):
+    return _contract_f32_grad(x, w, n_in), (x, w)
+
+
+def _contract_f32_grad_bwd(n_in, res, g):
+    x, w = res
+    lead = x.ndim - n_in
+    n_out = w.ndim - n_in
+    # dx: g contracted with w over the output axes; dw: x and g contracted over the lead axes.
+    dx = jax.lax.dot_general(
+        g, w.astype(x.dtype), ((tuple(range(lead, lead + n_out)), tuple(range(n_in, w.ndim))), ((), ()))
+    )
+    dw = jax.lax.dot_general(
+        x, g, ((tuple(range(lead)), tuple(range(lead))), ((), ())), preferred_element_type=jnp.float32
+    )
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_contract_f32_grad.defvjp(_contract_f32_grad_fwd, _contract_f32_grad_bwd)
 
 
 def embed_rows(table_RD, ids_BT, dtype, rows: str = "vocab"):
@@ -61,8 +97,12 @@ def embed_rows(table_RD, ids_BT, dtype, rows: str = "vocab"):
     gradient over those axes. Rows split over an axis that does not carry the batch (Megatron's
     vocab-parallel embedding) are looked up where they live and summed over it."""
     ids_BT = constrain_whole_over(ids_BT, TOKEN_AXES, "embed")
-    table_RD = constrain(table_RD, (rows, "embed")).astype(dtype)
-    return constrain_whole_over(jnp.take(table_RD, ids_BT, axis=0), (*TOKEN_AXES, "embed"), "embed")
+    table_RD = constrain(table_RD, (rows, "embed"))
+    if lowering().float32_weight_grads:  # looked up as stored, its gradient scatter-added in it
+        rows_BTD = jnp.take(table_RD, ids_BT, axis=0).astype(dtype)
+    else:
+        rows_BTD = jnp.take(table_RD.astype(dtype), ids_BT, axis=0)
+    return constrain_whole_over(rows_BTD, (*TOKEN_AXES, "embed"), "embed")
 
 
 def param(rngs, cfg, shape, logical, std=None, compute_cast=True):

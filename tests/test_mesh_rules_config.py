@@ -153,6 +153,8 @@ def test_config_overrides_and_errors():
         load_config("tinny")
     with pytest.raises(UserError, match="must be a multiple of train.microbatches"):
         load_config("tiny", ["train.microbatches=3"])
+    with pytest.raises(UserError, match="train.grad_reduce_dtype must be compute or float32, got 'bf16'"):
+        load_config("tiny", ["train.grad_reduce_dtype=bf16"])
 
 
 def test_config_file_type_errors(tmp_path):

@@ -184,3 +184,35 @@ def test_rope_backward_is_the_rotation_back(dtype):
     np.testing.assert_allclose(
         np.asarray(ours, np.float32), np.asarray(theirs, np.float32), rtol=tol, atol=tol
     )
+
+
+@pytest.mark.parametrize("n_in", [1, 2])
+def test_float32_weight_grads_leave_the_matmul_in_float32(n_in):
+    """train.grad_reduce_dtype = float32: a bf16 projection's weight gradient is accumulated in
+    fp32 (what a bf16 dot of the same operands rounds to bf16), so it equals the fp32 contraction
+    of the bf16 operands; the input's gradient is the plain one, in bf16."""
+    from spmd.core.logical import Lowering, lowered
+    from spmd.models.layers import project
+
+    rng = np.random.default_rng()
+    K = (4, 16)[2 - n_in :]  # the contracted axes
+    x = jnp.asarray(rng.normal(size=(2, 8, *K)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(*K, 24)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(*x.shape[: x.ndim - n_in], 24)), jnp.bfloat16)
+
+    def vjp(f32):
+        with lowered(Lowering(float32_weight_grads=f32)):
+            y, pull = jax.vjp(lambda x, w: project(x, w, n_in), x, w)
+        return y, *pull(g)
+
+    y, dx, dw = vjp(True)
+    y0, dx0, dw0 = vjp(False)
+    lead = tuple(range(x.ndim - n_in))
+    exact = jnp.tensordot(x.astype(jnp.float32), g.astype(jnp.float32), axes=(lead, lead))
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(exact), rtol=1e-5, atol=1e-5)
+    assert dw.dtype == jnp.float32 and dx.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y0, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx0, np.float32))
+    assert (
+        np.abs(np.asarray(dw0) - np.asarray(exact)).max() > np.abs(np.asarray(dw) - np.asarray(exact)).max()
+    )

@@ -77,6 +77,11 @@ def test_a_bf16_models_gradients_are_reduced_in_bf16_as_the_minimum_counts(v5e, 
     assert tpu["collective_volume_bytes"] == pytest.approx(tpu["analytic_minimum_total"], rel=1e-3)
     assert tpu["analytic_minimum_total"] < 0.6 * fp32["analytic_minimum_total"]
     assert cpu["collective_volume_bytes"] > 1.8 * cpu["analytic_minimum_total"]
+    # train.grad_reduce_dtype = float32: the same bf16 model reduces its gradients in fp32 (the
+    # projections' leave their matmuls in it, the table's is scatter-added in it), as counted
+    wide32 = dry(v5e, "data=4", "dp", *wide, "model.dtype=bfloat16", "train.grad_reduce_dtype=float32")
+    assert wide32["collective_volume_bytes"] == pytest.approx(wide32["analytic_minimum_total"], rel=1e-3)
+    assert wide32["collective_volume_bytes"] == pytest.approx(fp32["collective_volume_bytes"], rel=1e-2)
 
 
 def test_a_v5p_cube_is_asked_for_as_built_and_gathers_by_all_gather():

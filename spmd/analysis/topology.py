@@ -32,8 +32,8 @@ EXAMPLES = "v4:2x2x2, v5e:4x4, v5e:16x16, v5p:2x2x1, v5p:4x4x4, v5p:8x8x8, v6e:8
 # one megacore device per chip): 2x2x1, 2x2x2, 2x2x4 and 2x4x4 are open grids; from 4x4x4 up every
 # side is a multiple of 4, given as A <= B <= C, and every side wraps around (optical switches
 # close each ring), up to the pod. 2-D generations (v5e, v6e): 1x1 to 16x16; a side of 16 wraps.
-# Without the wraparound the compiler plans its collectives for an open grid: it turns gathers over a
-# whole slice into all-reduces (twice the bytes), which no real slice of 64 chips or more does.
+# Asked for without its wraparound, a slice is an open grid to the compiler, which then gathers over
+# the whole of it by all-reducing zero-padded shards (twice the bytes) where the torus all-gathers.
 SMALL_3D = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
 SHAPES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
 POD_CHIPS = {"v4": 4096, "v5p": 8960}

@@ -47,6 +47,11 @@ class TrainConfig:
     # what the step minimises: lm (next-token cross-entropy) | dpo | simpo | orpo (preference pairs:
     # spmd.training.preference and the [preference] table; global_batch_size then counts pairs)
     objective: str = "lm"
+    # the dtype weight gradients leave their matmuls in, so the dtype they are reduced across devices
+    # in: "compute" (model.dtype, as every weight enters the matmuls in it) or "float32" (the
+    # projections' and the embedding's gradients accumulated and reduced in fp32 under a 16-bit
+    # model.dtype: twice the bytes; models.layers.project)
+    grad_reduce_dtype: str = "compute"
     step_timeout: float = 0.0  # hang watchdog (spmd.loop.watchdog): seconds without a finished step or
     # hook before every thread's stack is dumped and the run exits 4; 0: 10x the median step, at
     # least 300; negative: off
@@ -79,6 +84,10 @@ class TrainConfig:
             )
         if self.max_skipped_steps < 0:
             problems.append(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
+        if self.grad_reduce_dtype not in ("compute", "float32"):
+            problems.append(
+                f"train.grad_reduce_dtype must be compute or float32, got {self.grad_reduce_dtype!r}"
+            )
         if self.objective not in OBJECTIVES:
             problems.append(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         return problems

@@ -159,8 +159,10 @@ class Search:
     compiled: int
 
 
-def _levers(cfg, tried: dict, measured_need: int, state: int, budget: int) -> list[tuple[float, list[str]]]:
-    """(relative step cost, overrides) of each lever setting predicted to fit, cheapest first,
+def _levers(
+    cfg, tried: dict, measured_need: int, state: int, budget: int
+) -> list[tuple[float, list[str], float]]:
+    """(relative step cost, overrides, predicted peak) of each lever setting predicted to fit, cheapest first,
     from one compiled setting (`tried`: its remat and microbatches) that needed `measured_need`
     bytes of which `state` are the train state (arguments and outputs; the rest activations)."""
     acts = max(0, measured_need - state)
@@ -180,6 +182,7 @@ def _levers(cfg, tried: dict, measured_need: int, state: int, budget: int) -> li
                 (
                     compute * (1 + 0.02 * (m.bit_length() - 1)),
                     [f"model.remat={remat}", f"train.microbatches={m}"],
+                    predicted,
                 )
             )
     out.sort(key=lambda c: c[0])
@@ -363,6 +366,7 @@ def verdict(cfg, report: dict, budget: int) -> dict:
     given = {"model.remat": cfg.model.remat, "train.microbatches": str(cfg.train.microbatches)}
     if options:
         out["levers"] = [lv for lv in options[0][1] if given[lv.split("=")[0]] != lv.split("=")[1]]
+        out["predicted"] = options[0][2]
     else:
         out["levers"] = ["more devices (no remat x microbatches setting is predicted to fit)"]
     return out

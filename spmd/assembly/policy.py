@@ -242,8 +242,11 @@ def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
         train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
         kv_cache_per_layer=cpu,
         fused_loss=not cpu,
-        lowering=Lowering.for_platform(
-            platform, flash_blocks(cfg.model.dtype, device_kind, head_dim, cfg.train.seq_len)
+        lowering=dataclasses.replace(
+            Lowering.for_platform(
+                platform, flash_blocks(cfg.model.dtype, device_kind, head_dim, cfg.train.seq_len)
+            ),
+            float32_weight_grads=cfg.train.grad_reduce_dtype == "float32",
         ),
     )
 

@@ -151,9 +151,14 @@ def print_report(r: dict) -> None:
         else:
             flags = " ".join(f"--set {lv}" for lv in v["levers"] if " " not in lv)
             levers = "; ".join([flags] * bool(flags) + [lv for lv in v["levers"] if " " in lv])
+            predicted = (
+                f" (predicted {fmt_bytes(v['predicted'])} from this step's activations; compile it to check)"
+                if "predicted" in v
+                else ""
+            )
             print(
                 f"verdict: over by {fmt_bytes(v['over'])} ({fmt_bytes(v['need'])} of {fmt_bytes(v['budget'])} "
-                f"per device); spmd-plan would take: {levers}\n"
+                f"per device); spmd-plan would take: {levers}{predicted}\n"
             )
     for note in r.get("notes", []):
         print(f"note: {note}")

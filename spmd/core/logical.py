@@ -54,6 +54,9 @@ class Lowering:
     # dot keeps the weight's own shape, because under FSDP with recomputation the compiler gathers a
     # reshaped weight once per shape (twice the gathers)
     flatten_matmuls: bool = False
+    # weight gradients out of the projections' matmuls (and the embedding's scatter-add) in float32,
+    # so reduced across devices in it (train.grad_reduce_dtype = "float32"); else in the compute dtype
+    float32_weight_grads: bool = False
 
     @classmethod
     def for_platform(cls, platform: str, flash_blocks: tuple = ()) -> "Lowering":

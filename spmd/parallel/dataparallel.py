@@ -121,7 +121,7 @@ def minimum(step) -> float:
         f, _, _, axes = step.weight(p)
         replicas = axes_size(sizes, [a for a in step.grad_axes if a not in axes])
         z = axes_size(sizes, [a for a in step.grad_axes if a not in axes and a in rules.shard_optimizer_over])
-        grad = step.gathered(p) / f
+        grad = step.gathered(p) * step.grad_factor(p) / f
         if z > 1:
             total += (grad + p.bytes_per_device) * (z - 1) / z
             grad, replicas = grad / z, replicas // z

@@ -27,7 +27,7 @@ def minimum(step) -> float:
             continue
         gathered = step.gathered(p)
         # the weights gathered (forward, again in the backward), the gradient reduce-scattered
-        cost = (GATHERS * read / used + 1) * gathered * (f - 1) / f
+        cost = (GATHERS * read / used + step.grad_factor(p)) * gathered * (f - 1) / f
         if p.logical[:1] == ("vocab",) and not step.fig.tie_embeddings:
             # The embedding table is only read by the lookup: instead of gathering it, the devices
             # can send each other the pieces of the rows their tokens need, and the rows' gradients

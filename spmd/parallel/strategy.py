@@ -179,6 +179,13 @@ class Step:
         read = min(1.0, self.read_itemsize / p.dtype.itemsize) if p.compute_cast else 1.0
         return f, used, read, axes
 
+    def grad_factor(self, p) -> float:
+        """The bytes of `p`'s gradient as reduced, over `gathered(p)`'s: 1 where it leaves the
+        matmuls in the dtype the model uses `p` in; its stored dtype's share under
+        train.grad_reduce_dtype = "float32" (models.layers.project)."""
+        _, used, _, _ = self.weight(p)
+        return 1 / used if self.cfg.train.grad_reduce_dtype == "float32" else 1.0
+
     def gathered(self, p) -> float:
         """What one device holds of `p` after the FSDP gather, in the dtype the model uses it in."""
         f, used, _, axes = self.weight(p)
