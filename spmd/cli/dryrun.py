@@ -152,7 +152,7 @@ def print_report(r: dict) -> None:
             flags = " ".join(f"--set {lv}" for lv in v["levers"] if " " not in lv)
             levers = "; ".join([flags] * bool(flags) + [lv for lv in v["levers"] if " " in lv])
             predicted = (
-                f" (predicted {fmt_bytes(v['predicted'])} from this step's activations; compile it to check)"
+                f" (predicted {fmt_bytes(v['predicted'])} from the measured activations; compile it to check)"
                 if "predicted" in v
                 else ""
             )
