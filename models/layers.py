@@ -43,9 +43,7 @@ def _contract(x, w, n_in: int, lead_axes):
     if lowering().float32_weight_grads and x.dtype != jnp.float32:
         return _contract_f32_grad(x, w, n_in)
     if not lowering().flatten_matmuls or not can_merge(lead_axes):
-        return jax.lax.dot_general(
-            x, w.astype(x.dtype), ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-        )
+        return jax.lax.dot_general(x, w.astype(x.dtype), (_dims(x.ndim, n_in), ((), ())))
     x_MK, w_KN = x.reshape(math.prod(lead), -1), w.reshape(math.prod(w.shape[:n_in]), -1)
     # On CPU the backward's dots (x^T g contracts the tokens of both operands) go to oneDNN
     # (spmd/platform/cpu_matmul.py), which takes transposed operands as they are, in the compute dtype.
@@ -61,6 +59,7 @@ def _contract_f32_grad(x, w, n_in: int):
 
 
 def _dims(x_ndim: int, n_in: int):
+    """The contracting dims of x (its last n_in) and of w (its first n_in)."""
     return tuple(range(x_ndim - n_in, x_ndim)), tuple(range(n_in))
 
 

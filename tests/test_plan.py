@@ -168,11 +168,17 @@ def test_gpu_clusters_are_planned_by_host_with_the_command_to_run():
     """GPUs come 8 to a host (--hardware h100): 16 devices are 2 hosts, the outermost axes' shares
     cross them, ranked by the analytic bytes of what NCCL runs, and the command to run puts those
     shares in --dcn-mesh."""
-    from spmd.assembly.planner import command, split_over_hosts
+    from spmd.assembly.planner import command
+    from spmd.core.mesh import split_over_hosts
 
-    assert split_over_hosts({"data": 8, "fsdp": 32}, 32) == ({"data": 8, "fsdp": 4}, {"data": 1, "fsdp": 8})
-    assert split_over_hosts({"tensor": 4}, 2) == ({"tensor": 2}, {"tensor": 2})
-    assert split_over_hosts({"data": 3}, 2) is None
+    assert split_over_hosts({"data": 8, "fsdp": 32}, 32) == (
+        {"data": 8, "fsdp": 4},
+        {"data": 1, "fsdp": 8},
+        1,
+    )
+    assert split_over_hosts({"tensor": 4}, 2) == ({"tensor": 2}, {"tensor": 2}, 1)
+    assert split_over_hosts({"data": 3}, 2) == ({}, {"data": 3}, 2)
+    assert command("tiny", "data=3", "dp", [], 2) == "spmd-train --config tiny --mesh data=3 --rules dp"
     assert command("llama-70b", "data=8,fsdp=32", "fsdp", ["train.global_batch_size=64"], 32) == (
         "spmd-train --config llama-70b --dcn-mesh data=8,fsdp=4 --mesh fsdp=8 --rules fsdp "
         "--set train.global_batch_size=64"

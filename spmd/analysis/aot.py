@@ -10,7 +10,6 @@ device sends over a ring (all-gather and reduce-scatter (n-1)/n of the full arra
 that), so the two forms are comparable.
 """
 
-import math
 import os
 import re
 import sys
@@ -20,7 +19,7 @@ import warnings
 import jax
 
 from spmd.core.errors import UserError, stderr_captured
-from spmd.core.mesh import MESH_AXES, axes_size, format_mesh, platform_of
+from spmd.core.mesh import MESH_AXES, axes_size, format_mesh, platform_of, split_over_hosts
 from spmd.parallel import strategy
 
 
@@ -103,12 +102,12 @@ def estimate(cfg, plan, hw: dict, dcn: int, volume: dict | None = None) -> dict:
     bubble = plan.schedule.bubble_fraction if plan.schedule is not None else 0.0
     compute_s = compute / plan.mesh.size / hw["peak"] / (1 - bubble)
     volume = volume if volume is not None else analytic_minimum(cfg, plan)
-    # With several hosts, the outermost axes (data, then fsdp, in MESH_AXES order) are the ones that span them.
-    remaining, dcn_axes = dcn, set()
-    for axis in MESH_AXES:
-        if remaining > 1 and sizes.get(axis, 1) > 1:
-            dcn_axes.add(axis)
-            remaining = max(1, remaining // math.gcd(remaining, sizes[axis]))
+    # With several hosts, the outermost axes (data, then fsdp, in MESH_AXES order) are the ones that
+    # span them: those that take a factor of the hosts, and any before the last of those (sharing no
+    # factor with the hosts, its devices straddle their boundaries).
+    across = split_over_hosts(sizes, dcn)[0]
+    last = max((MESH_AXES.index(a) for a in across), default=-1)
+    dcn_axes = {a for a in MESH_AXES[: last + 1] if sizes.get(a, 1) > 1}
     comm_s = sum(v / (hw["dcn"] if axis in dcn_axes else hw["ici"]) for axis, v in volume.items())
     return {
         "sent_bytes": sum(volume.values()),
@@ -257,7 +256,8 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     minimum = analytic_minimum(cfg, plan)
     state = trainer.state_bytes()
     host = state["optimizer_state_on_host"]
-    flops = plan.family.figures(cfg.model, T).flops_per_token * B * T
+    figures = plan.family.figures(cfg.model, T)
+    flops = figures.flops_per_token * B * T
     slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
     peak = peak_bytes(mem, host)
     return {
@@ -295,7 +295,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "compiled_matmul_flops_per_device": hlo.matmul_flops(text),
         # Attention is the model's only Pallas kernel: its launches per step, and per layer.
         "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
-        "kernel_calls_per_layer": calls / plan.family.figures(cfg.model, T).n_layers,
+        "kernel_calls_per_layer": calls / figures.n_layers,
         "pipeline": pipeline_report(plan, rows),
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),

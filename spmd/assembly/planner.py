@@ -27,7 +27,7 @@ import re
 
 from spmd.analysis.hardware import CHIPS
 from spmd.core.errors import UserError
-from spmd.core.mesh import MESH_AXES, format_mesh
+from spmd.core.mesh import MESH_AXES, format_mesh, split_over_hosts
 
 # Memory levers, for a layout whose compiled step does not fit. Remat policies from the most
 # memory to the least, with the compute each costs (full remat runs the forward twice: 8 of the
@@ -189,6 +189,12 @@ def _levers(
     return out
 
 
+def _changed(cfg, setting: list[str]) -> list[str]:
+    """The overrides of a lever setting that differ from the config: only those are levers."""
+    given = {"model.remat": cfg.model.remat, "train.microbatches": str(cfg.train.microbatches)}
+    return [lv for lv in setting if given[lv.split("=")[0]] != lv.split("=")[1]]
+
+
 def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, candidates: int = 6,
            max_compiles: int | None = None, device_list=None, host_bytes_per_s: float = HOST_BYTES_PER_S,
            analytic_comm: bool = False) -> Search:  # fmt: skip
@@ -283,9 +289,7 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
                 break
             setting = options[0][1]
             tried = {"remat": setting[0].split("=")[1], "microbatches": int(setting[1].split("=")[1])}
-            # Only what differs from the config is a lever.
-            given = {"model.remat": cfg.model.remat, "train.microbatches": str(cfg.train.microbatches)}
-            changed = [lv for lv in setting if given[lv.split("=")[0]] != lv.split("=")[1]]
+            changed = _changed(cfg, setting)
             step = f"with {', '.join(levers)}" if levers else "as given"
             taken = f"{step} the compiled step needed {fmt_bytes(need)}, so {', '.join(changed)}"
             why = (why + "; " if why else "") + taken + " (the cheapest setting its activations say will fit)"
@@ -306,32 +310,16 @@ def sets(levers: list[str]) -> str:
     return "".join(f" --set {lv}" for lv in levers)
 
 
-def split_over_hosts(sizes: dict, hosts: int) -> tuple[dict, dict] | None:
-    """(the mesh across hosts, the mesh inside one) of a layout on `hosts` hosts, the outermost
-    axes (MESH_AXES order, as `estimate` counts them on DCN) taking the hosts' factors; None when
-    the hosts do not divide out of the axes in that order."""
-    across, inside, remaining = {}, dict(sizes), hosts
-    for axis in MESH_AXES:
-        size = inside.get(axis, 1)
-        if remaining == 1 or size == 1:
-            continue
-        share = next(d for d in range(min(size, remaining), 0, -1) if size % d == 0 and remaining % d == 0)
-        if share > 1:
-            across[axis], inside[axis], remaining = share, size // share, remaining // share
-    return (across, inside) if remaining == 1 else None
-
-
 def command(config: str, mesh: str, rules: str, overrides: list[str], hosts: int = 1) -> str:
     """The spmd-train command line that runs a planned layout: across several hosts, `--dcn-mesh`
     for the axes that span them and `--mesh` for one host's share (docs/multihost.md)."""
     from spmd.core.mesh import parse_mesh
 
     sizes = {a: s for a, s in parse_mesh(mesh).items() if s > 1} or {"data": 1}
-    split = split_over_hosts(sizes, hosts) if hosts > 1 else None
-    if split is None:
+    across, inside, left = split_over_hosts(sizes, hosts)
+    if hosts == 1 or left > 1:  # one host, or hosts that do not divide out of the axes: one --mesh
         where = f"--mesh {format_mesh(sizes, empty='data=1')}"
     else:
-        across, inside = split
         where = f"--dcn-mesh {format_mesh(across)} --mesh {format_mesh(inside, empty='data=1')}"
     return f"spmd-train --config {config} {where} --rules {rules}" + "".join(f" --set {o}" for o in overrides)
 
@@ -363,9 +351,8 @@ def verdict(cfg, report: dict, budget: int) -> dict:
     state = per["arguments"] + per["outputs"] - per["aliased"]
     tried = {"remat": cfg.model.remat, "microbatches": cfg.train.microbatches}
     options = _levers(cfg, tried, need, state, budget)
-    given = {"model.remat": cfg.model.remat, "train.microbatches": str(cfg.train.microbatches)}
     if options:
-        out["levers"] = [lv for lv in options[0][1] if given[lv.split("=")[0]] != lv.split("=")[1]]
+        out["levers"] = _changed(cfg, options[0][1])
         out["predicted"] = options[0][2]
     else:
         out["levers"] = ["more devices (no remat x microbatches setting is predicted to fit)"]

@@ -38,7 +38,6 @@ from spmd.platform.hostmem import HOST_HEAP
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
 CHUNKED_FROM = 1024
-KERNELS = ("pallas", "pallas_tpu", "splash")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 # The parameter initialiser on CPU is mostly threefry random bits, one fusion per parameter, and

@@ -130,3 +130,16 @@ def build_mesh(mesh: str = "", dcn_mesh: str = "", devices=None):
             process_is_granule=not by_slice,
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def split_over_hosts(sizes: Mapping[str, int], hosts: int) -> tuple[dict, dict, int]:
+    """(the mesh across hosts, the mesh inside one, the hosts left over) of a layout on `hosts`
+    hosts: the outermost axes (MESH_AXES order: data, then fsdp, ...) take the hosts' factors, each
+    the largest it shares with the hosts still to place. Left over > 1: the hosts do not divide out
+    of the axes in that order."""
+    across, inside, remaining = {}, dict(sizes), hosts
+    for axis in MESH_AXES:
+        share = math.gcd(remaining, inside.get(axis, 1))
+        if share > 1:
+            across[axis], inside[axis], remaining = share, inside[axis] // share, remaining // share
+    return across, inside, remaining
