@@ -50,6 +50,10 @@ class HangingBatches:
         if step in DIE_STEPS and PROCESS == DIE_PROCESS and not died.exists():
             died.touch()
             if WIPE:
+                # A replaced host loses everything it wrote: let its background local writes
+                # finish first (else one could complete after the wipe and survive it).
+                for tier in TIERS:
+                    tier.wait()
                 shutil.rmtree(WIPE, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.train_batch(step)
@@ -74,16 +78,20 @@ def _dying_write(path, payload):
     _write_file(path, payload)
 
 
-if IN_SAVE >= 0:
+TIERS = []  # the run's local tier, once it has saved (for the wipe above)
+
+if IN_SAVE >= 0 or WIPE:
     from spmd.io import local_tier
 
-    _write_file = local_tier.write_file
-    local_tier.write_file = _dying_write
+    if IN_SAVE >= 0:
+        _write_file = local_tier.write_file
+        local_tier.write_file = _dying_write
     _save = local_tier.LocalTier.save
 
     def _save_and_wait(self, step, *args):
         """Step k's write waits for itself: the kill lands while the loop is at step k (else the
         background write could still be running steps later)."""
+        TIERS[:] = [self]
         _save(self, step, *args)
         if step == IN_SAVE:
             self.wait()
