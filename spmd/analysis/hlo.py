@@ -50,6 +50,7 @@ class Collective:
     # An all-reduce of shards written into zeros (dynamic-update-slice): the TPU compiler's way of
     # gathering at scale. It sends what an all-reduce sends; what it does is a gather.
     as_gather: bool = False
+    dtypes: tuple[str, ...] = ()  # each result array's element type, as HLO names it (f32, bf16, s8)
 
 
 def shape_bytes(shape: str) -> int:
@@ -298,6 +299,7 @@ def collectives(text: str, mesh) -> list[Collective]:
                     dims,
                     op.group(1) if op else "",
                     as_gather,
+                    tuple(dt for dt, _ in _ARRAY.findall(shape)),
                 )
             )
     return out

@@ -4,7 +4,8 @@ Each table of a config file belongs to the part of the stack that reads it: `[mo
 family (`model.family`, default llama: spmd.core.family), with its own tables where its config holds
 one (`[moe]`: a mixture of experts); `[train]` (the loop: batch, steps, evaluation), `[optimizer]`
 (spmd/training/optimizer.py: optimizer, learning-rate schedule, clipping), `[data]`, `[checkpoint]`,
-`[pipeline]` (spmd/parallel/pipeline.py), `[spikes]` (loss spikes:
+`[pipeline]` (spmd/parallel/pipeline.py), `[sync]` (what crosses between slices:
+spmd/parallel/slices.py), `[spikes]` (loss spikes:
 spmd/loop/spikes.py), `[lora]` (low-rank adapters on a frozen base: spmd/transforms/lora.py), `[preference]` (DPO, SimPO
 and ORPO under `train.objective`: spmd/training/preference.py) and `[cpu]` (CPU tuning: spmd/assembly/policy.py). Keys a file leaves out take the defaults below. `--set
 optimizer.learning_rate=1e-3` overrides one key, parsed to the key's type; a key that moved names
@@ -24,6 +25,7 @@ from spmd.core.errors import UserError, closest
 from spmd.loop.metrics import MetricsConfig
 from spmd.loop.spikes import SpikesConfig
 from spmd.parallel.pipeline import PipelineConfig
+from spmd.parallel.slices import SyncConfig
 from spmd.training.optimizer import OptimizerConfig
 from spmd.training.preference import OBJECTIVES, PreferenceConfig
 
@@ -272,6 +274,7 @@ class Config:
     spikes: SpikesConfig = SpikesConfig()
     lora: LoRAConfig = LoRAConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    sync: SyncConfig = SyncConfig()
 
     @property
     def model_family(self) -> family_lib.ModelFamily:
@@ -293,6 +296,7 @@ SECTIONS = {
     "spikes": SpikesConfig,
     "lora": LoRAConfig,
     "preference": PreferenceConfig,
+    "sync": SyncConfig,
 }
 # Keys that left the config for the sharding rules (spmd.core.rules): how attention runs when the
 # rules shard the sequence belongs to the layout, so it is a key of the rules file.

@@ -27,6 +27,7 @@ from spmd.core.mesh import axes_size, build_mesh, platform_of
 from spmd.core.rules import Rules, load_rules
 from spmd.parallel import memory
 from spmd.parallel import sharding as sharding_lib
+from spmd.parallel.slices import slow_axes
 from spmd.platform import hostmem
 from spmd.training import transform
 from spmd.training.trainer import Trainer, build_eval_step, build_trainer
@@ -148,6 +149,9 @@ def assemble(
     cfg = dataclasses.replace(
         requested, model=dataclasses.replace(requested.model, attention_impl=choices.attention)
     )
+    # The slow axes [sync] syncs across, named (the --dcn-mesh axes unless sync.axes says).
+    sync_axes = slow_axes(cfg.sync, device_mesh.shape, dcn_mesh)
+    cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, axes=",".join(sync_axes)))
     memory.check(cfg, device_mesh)
     family = cfg.model_family
     longest = family.figures(cfg.model, cfg.train.seq_len).max_positions

@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.core.errors import UserError
 from spmd.parallel import context, dataparallel, memory
 from spmd.parallel import sharding as sharding_lib
+from spmd.parallel import slices as slices_lib
 from spmd.platform import cpu_matmul
-from spmd.training import preference, transform
+from spmd.training import preference, sliced, transform
 from spmd.training.loss import cross_entropy
 from spmd.training.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
@@ -390,6 +391,34 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
         "opt_state": memory.host_shardings(opt_shardings) if offload else opt_shardings,
         "step": plan.replicated,
     }
+    # [sync]: the slices' gradients compressed, or DiLoCo (spmd/parallel/slices.py)
+    # (assemble names the slow axes in cfg.sync.axes: none when there is one slice)
+    sync_axes = cfg.sync.axis_names() if cfg.sync.active else ()
+    sliced_step = None
+    if sync_axes:
+        slices_lib.check_layout(cfg, plan, sync_axes, update_shardings)
+        slices = slices_lib.Slices(mesh, sync_axes)
+        inner_micro = sliced.inner_micro_sharding(plan, slices)
+
+        def slice_grads(params, batch, key, frozen):
+            value_and_grad = jax.value_and_grad(
+                lambda p, b, k: losses_of(p, b, frozen, k, None), has_aux=True
+            )
+            return accumulated(value_and_grad, tcfg.microbatches, inner_micro, None)(params, batch, key)
+
+        sliced_step = sliced.build(
+            cfg, plan, slices,
+            grads_and_sums=slice_grads,
+            update=lambda st, g, s, max_loss: apply_update(
+                st, g, s, max_loss, tx, opt_shardings, update_shardings, offload
+            ),
+            param_shardings=state_shardings["params"],
+            opt_shardings=opt_shardings,
+            views=sliced.matrix_views(plan, trained_of, cfg.sync.rank) if cfg.sync.compress == "powersgd" else None,
+            layered=trained_of(slices_lib.layer_stacked(plan)),
+        )  # fmt: skip
+        state_shardings["opt_state"] = sliced_step.opt_shardings
+        state_shardings["sync"] = sliced_step.sync_shardings
     if partition.freezes:
         state_shardings["frozen"] = partition.split(plan.param_shardings)[1]
     objective, settings = tcfg.objective, cfg.preference
@@ -407,6 +436,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
             params = transform.combine(partition.added(plan.init_params(tcfg.seed)), weights)
         trained, frozen = partition.split(params)
         state = {"params": trained, "opt_state": tx.init(trained), "step": jnp.zeros((), jnp.int32)}
+        if sliced_step is not None:
+            state["opt_state"], state["sync"] = sliced_step.init(trained, state["opt_state"])
         if partition.freezes:
             state["frozen"] = jax.tree.map(lambda x: x.astype(frozen_dtype), frozen)
         if "reference" in state_shardings:
@@ -437,7 +468,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     dense = not family.aux_weights(cfg.model)
     flat_axes = (
         None
-        if partition.freezes or objective != "lm"
+        if partition.freezes or objective != "lm" or sliced_step is not None
         else dataparallel.flat_axes(choices.grad_reduce, plan, update_shardings, dense)
     )
 
@@ -447,6 +478,10 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
         value_and_grad = jax.value_and_grad(
             lambda p, b, key: losses_of(p, b, frozen, key, reference), has_aux=True
         )
+        key = jax.random.fold_in(jax.random.key(tcfg.seed), state["step"]) if partition.needs_key else None
+        if sliced_step is not None:
+            new_state, metrics, sums = sliced_step.step(state, batch, key, max_loss)
+            return finish(state, new_state, metrics, sums)
         group = 1 if objective == "lm" else 2  # a pair's two sequences stay in one microbatch
         grads_and_sums = accumulated(value_and_grad, tcfg.microbatches, micro_sharding, flat_axes, group)
         if flat_axes:
@@ -454,14 +489,14 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
             with plan.lowered():
                 grads, sums = summed(state["params"], batch)
         else:
-            key = (
-                jax.random.fold_in(jax.random.key(tcfg.seed), state["step"]) if partition.needs_key else None
-            )
             with plan.activate():
                 grads, sums = grads_and_sums(state["params"], batch, key)
         new_state, metrics = apply_update(
             state, grads, sums, max_loss, tx, opt_shardings, update_shardings, offload
         )
+        return finish(state, new_state, metrics, sums)
+
+    def finish(state, new_state, metrics, sums):
         metrics["learning_rate"] = schedule(state["step"])
         if objective != "lm":  # the pair metrics (TRL's names), means over the pairs
             metrics["aux"] = {**preference.means(sums[3], sums[2]), **family.aux_metrics(sums[3], sums[2])}

@@ -1,0 +1,252 @@
+"""The train step when the slices sync by the `[sync]` table (spmd.parallel.slices): each slice's
+gradients as one row of a vmap over the slow axes, then their compressed sum, or DiLoCo's inner
+steps with an outer step at the sync points. One program per step.
+
+The state gains `sync`: error feedback's residuals (a row per slice), PowerSGD's Q, and under
+DiLoCo the slices' replicas and the outer momentum; under DiLoCo `params` are the shared (outer)
+parameters and `opt_state` holds a row per slice.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd.core.errors import UserError
+from spmd.parallel import sharding as sharding_lib
+from spmd.parallel import slices as slices_lib
+from spmd.parallel.sharding import path_str
+from spmd.training.optimizer import MATRIX_BATCH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicedStep:
+    opt_shardings: dict  # the state's opt_state (a row per slice under DiLoCo)
+    sync_shardings: dict  # the state's `sync`
+    init: Callable  # (trained params, optimizer state) -> (opt_state, sync)
+    step: Callable  # (state, batch, key, max_loss) -> (new state, metrics, sums)
+
+
+def inner_micro_sharding(plan, slices) -> NamedSharding:
+    """Gradient accumulation's (k, rows, T) split inside one slice (the slow axes taken out)."""
+    spec = tuple(plan.batch_sharding.spec)
+    inner = tuple(a for a in slices_lib.spec_axes(spec[0]) if a not in slices.axes)
+    return NamedSharding(
+        plan.mesh, PartitionSpec(None, inner[0] if len(inner) == 1 else (inner or None), *spec[1:])
+    )
+
+
+def matrix_views(plan, trained_of, rank: int) -> dict:
+    """Per trained parameter (a tree like the trained params) its MatrixView (spmd.parallel.slices) at `rank`; UserError
+    when rank r compresses none of them."""
+    by_path = {i.path: i for i in plan.params}
+
+    def view(path, x):
+        logical = by_path[path_str(path)].logical
+        lead = 0
+        while lead < len(logical) - 2 and logical[lead] in MATRIX_BATCH_AXES:
+            lead += 1
+        v = slices_lib.MatrixView(tuple(x.shape), lead, False)
+        ok = (
+            len(x.shape) - lead >= 2
+            and slices_lib.MIN_COMPRESSION_RATE * (v.rows + v.cols) * rank < v.rows * v.cols
+        )
+        return dataclasses.replace(v, compressed=ok)
+
+    views = trained_of(jax.tree_util.tree_map_with_path(view, plan.abstract_params))
+    leaves = jax.tree.leaves(views, is_leaf=lambda v: isinstance(v, slices_lib.MatrixView))
+    if not any(v.compressed for v in leaves):
+        best = max(
+            (v for v in leaves if len(v.shape) - v.lead >= 2), key=lambda v: min(v.rows, v.cols), default=None
+        )
+        most = (
+            0
+            if best is None
+            else best.rows * best.cols // (slices_lib.MIN_COMPRESSION_RATE * (best.rows + best.cols))
+        )
+        raise UserError(
+            f"sync.rank = {rank} compresses no matrix of this model by half or more (the widest, "
+            f"{best.rows}x{best.cols}, needs rank <= {max(most - 1, 0)}); lower sync.rank"
+            if best
+            else "sync.compress = powersgd: this model trains no matrix to factor; use int8 or bf16"
+        )
+    return views
+
+
+def build(cfg, plan, slices, *, grads_and_sums, update, param_shardings, opt_shardings, views, layered):
+    """`grads_and_sums(params, batch, key, frozen)`: one slice's summed gradients and loss sums (built with
+    `inner_micro_sharding`); `update(state, grads, sums)`: the optimizer step (trainer.apply_update)
+    of a {"params", "opt_state", "step"} state; `views`: PowerSGD's MatrixView per trained
+    parameter (or None); `layered`: per trained parameter whether its leading axis is the layer
+    stack (streaming DiLoCo's fragments)."""
+    scfg = cfg.sync
+    inner_rules = slices_lib.slice_rules(plan.rules, slices.axes)
+    stacked = lambda tree: jax.tree.map(slices.stacked, tree)  # noqa: E731
+    feedback = scfg.error_feedback and scfg.compress != "none"
+    sync_shardings = {}
+    if scfg.diloco:
+        sync_shardings["replicas"] = stacked(param_shardings)
+        sync_shardings["momentum"] = param_shardings
+    if feedback:
+        sync_shardings["residual"] = stacked(param_shardings)
+    if scfg.compress == "powersgd":
+        sync_shardings["q"] = {k: plan.replicated for k in slices_lib.q_shapes(views, scfg.rank)}
+    state_opt_shardings = stacked(opt_shardings) if scfg.diloco else opt_shardings
+
+    def f32_zeros_n(tree):
+        return jax.tree.map(lambda x: jnp.zeros((slices.n, *x.shape), jnp.float32), tree)
+
+    def init(trained, opt_state):
+        sync = {}
+        if scfg.diloco:
+            sync["replicas"] = slices.broadcast(trained, param_shardings)
+            sync["momentum"] = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trained)
+            opt_state = slices.broadcast(opt_state, opt_shardings)
+        if feedback:
+            sync["residual"] = f32_zeros_n(trained)
+        if scfg.compress == "powersgd":
+            sync["q"] = slices_lib.q_init(views, scfg.rank, cfg.train.seed)
+        return opt_state, sync
+
+    def per_slice_grads(params, batch, key, frozen, own_params: bool):
+        batch_n = slices.rows(batch, plan.batch_sharding)
+
+        def one(p, b):
+            with sharding_lib.activate(inner_rules, plan.mesh, None, plan.lowering):
+                return grads_and_sums(p, b, key, frozen)
+
+        return jax.vmap(one, in_axes=(0 if own_params else None, 0), spmd_axis_name=slices.axes)(
+            params, batch_n
+        )
+
+    def kept(keep, new, old):
+        return jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, old)
+
+    def allreduce_step(state, batch, key, max_loss):
+        sync = state["sync"]
+        grads_n, sums_n = per_slice_grads(state["params"], batch, key, state.get("frozen"), False)
+        sums = slices_lib.plain_sum(sums_n)
+        residual = sync.get("residual")
+        new_sync = dict(sync)
+        if scfg.compress == "powersgd":
+
+            def compressed():
+                return slices_lib.powersgd_sum(grads_n, residual, sync["q"], views, slices, scfg.rank)
+
+            def plain():
+                return slices_lib.plain_sum(grads_n), residual, sync["q"]
+
+            if scfg.start_step:
+                grads, residual, new_sync["q"] = jax.lax.cond(
+                    state["step"] >= scfg.start_step, compressed, plain
+                )
+            else:
+                grads, residual, new_sync["q"] = compressed()
+        else:
+            grads, residual = slices_lib.cast_sum(grads_n, residual, scfg.compress, slices, param_shardings)
+        if feedback:
+            new_sync["residual"] = residual
+        core = {k: state[k] for k in ("params", "opt_state", "step")}
+        new_state, metrics = update(core, grads, sums, max_loss)
+        new_state["sync"] = kept(metrics["skipped"] == 0, new_sync, sync)
+        return new_state, metrics, sums
+
+    fragments = slices_lib.fragment_offsets(scfg.inner_steps, scfg.fragments)
+
+    def diloco_step(state, batch, key, max_loss):
+        sync = state["sync"]
+        start = sync["replicas"]
+        grads_n, sums_n = per_slice_grads(start, batch, key, state.get("frozen"), True)
+
+        def inner(p, o, g, s):
+            st, m = update({"params": p, "opt_state": o, "step": state["step"]}, g, s, max_loss)
+            return st["params"], st["opt_state"], m
+
+        reps, opt_state, m_n = jax.vmap(inner, spmd_axis_name=slices.axes)(
+            start, state["opt_state"], grads_n, sums_n
+        )
+        sums = slices_lib.plain_sum(sums_n)
+        count = state["step"] + 1
+        last = count == cfg.train.steps
+        overlap = scfg.method == "streaming_diloco" and scfg.overlap
+        carry = (state["params"], sync["momentum"], reps, sync.get("residual"))
+        for f, offset in enumerate(fragments):
+            pred = (count % scfg.inner_steps == offset) | last
+            carry = jax.lax.cond(
+                pred, lambda c, f=f: sync_fragment(c, f, start, last, overlap), lambda c: c, carry
+            )
+        anchor, momentum, reps, residual = carry
+        new_sync = {"replicas": reps, "momentum": momentum}
+        if feedback:
+            new_sync["residual"] = residual
+        ce_sum, z_sum, tokens, _ = sums
+        metrics = {
+            "loss": ce_sum / tokens,
+            "z_loss": z_sum / tokens,
+            "grad_norm": jnp.mean(m_n["grad_norm"]),  # the slices' mean
+            "tokens": tokens,
+            "skipped": jnp.max(m_n["skipped"]),
+        }
+        new_state = {"params": anchor, "opt_state": opt_state, "step": count, "sync": new_sync}
+        return new_state, metrics, sums
+
+    def sync_fragment(carry, f, start, last, overlap):
+        anchor, momentum, reps, residual = carry
+        picks = jax.tree.map(lambda s: s or f == 0, layered)  # the rest goes with the first
+        treedef = jax.tree.structure(anchor)
+        out = [list(jax.tree.leaves(t)) for t in (anchor, momentum, reps)]
+        r_leaves = None if residual is None else list(jax.tree.leaves(residual))
+        s_leaves = jax.tree.leaves(start)
+        sh_leaves = jax.tree.leaves(param_shardings)
+        for i, (is_layer, pick) in enumerate(
+            zip(jax.tree.leaves(layered), jax.tree.leaves(picks), strict=True)
+        ):
+            if not pick:
+                continue
+            lo, hi = slices_lib.fragment_bounds(out[0][i].shape[0], scfg.fragments)[f] if is_layer else (0, 0)
+            sl = (
+                (lambda x, axis: jax.lax.slice_in_dim(x, lo, hi, axis=axis))
+                if is_layer
+                else (lambda x, axis: x)
+            )
+            a, m, r_end, r_start = sl(out[0][i], 0), sl(out[1][i], 0), sl(out[2][i], 1), sl(s_leaves[i], 1)
+            src = jnp.where(last, r_end, r_start) if overlap else r_end
+            delta_n = a[None].astype(jnp.float32) - src.astype(jnp.float32)
+            e = None if r_leaves is None else sl(r_leaves[i], 1)
+            if scfg.compress == "none":
+                total, e_new = jnp.sum(delta_n, axis=0), e
+            else:
+                total, e_new = slices_lib.cast_sum(delta_n, e, scfg.compress, slices, sh_leaves[i])
+            (a_new,), (m_new,) = slices_lib.outer_update([a], [m], [total / slices.n], scfg)
+            new_reps = jnp.broadcast_to(a_new[None], r_end.shape)
+            if overlap:  # the slice's step made while the sync ran, carried on the new parameters
+                new_reps = new_reps + jnp.where(last, 0.0, r_end - r_start).astype(r_end.dtype)
+            new_reps = jax.lax.with_sharding_constraint(
+                new_reps.astype(r_end.dtype), slices.stacked(sh_leaves[i])
+            )
+
+            def put(x, new, axis):
+                return (
+                    jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), lo, axis=axis)
+                    if is_layer
+                    else new.astype(x.dtype)
+                )
+
+            out[0][i], out[1][i], out[2][i] = (
+                put(out[0][i], a_new, 0),
+                put(out[1][i], m_new, 0),
+                put(out[2][i], new_reps, 1),
+            )
+            if r_leaves is not None:
+                r_leaves[i] = put(r_leaves[i], e_new, 1)
+        return (
+            jax.tree.unflatten(treedef, out[0]),
+            jax.tree.unflatten(treedef, out[1]),
+            jax.tree.unflatten(treedef, out[2]),
+            None if r_leaves is None else jax.tree.unflatten(treedef, r_leaves),
+        )
+
+    step = diloco_step if scfg.diloco else allreduce_step
+    return SlicedStep(state_opt_shardings, sync_shardings, init, step)
