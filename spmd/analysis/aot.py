@@ -10,6 +10,7 @@ device sends over a ring (all-gather and reduce-scatter (n-1)/n of the full arra
 that), so the two forms are comparable.
 """
 
+import collections
 import os
 import re
 import sys
@@ -197,6 +198,58 @@ def partitioner_replications(log: str, rules, sizes: dict) -> list[str]:
     return sorted(set(lines))
 
 
+def between_slices(setup, text: str, slices: int) -> dict | None:
+    """What one device sends to the other slices per step: the TPU compiler's megascale sends
+    across `slices` slices, or on one slice (slices simulated on one backend) the collectives over
+    exactly the [sync] axes. A [sync] method's syncs (conditional branches) per sync, and
+    amortised over its H steps; beside it the analytic figure (spmd.parallel.slices)."""
+    from spmd.analysis import hlo
+    from spmd.parallel import slices as slices_lib
+
+    cfg, mesh, plan = setup.cfg, setup.mesh, setup.plan
+    axes = cfg.sync.axis_names()
+    if slices > 1:
+        n = slices
+
+        def sent(all_branches):
+            by = collections.Counter()
+            for t in hlo.slice_sends(text, all_branches):
+                by[t.dtype] += t.bytes * t.count
+            return by
+    elif axes:
+        n = axes_size(dict(mesh.shape), axes)
+
+        def sent(all_branches):
+            by = collections.Counter()
+            for c in hlo.collectives(text, mesh, all_branches):
+                if set(c.axes) == set(axes):
+                    by[c.dtypes[0] if c.dtypes else "?"] += ring_volume(c.kind, c.bytes, n) * c.count
+            return by
+    else:
+        return None
+    every, everything = sent(False), sent(True)
+    per_sync = {k: everything[k] - every.get(k, 0) for k in everything if everything[k] > every.get(k, 0)}
+    H = cfg.sync.inner_steps if cfg.sync.diloco else 1
+    views = None
+    if cfg.sync.compress == "powersgd":
+        views = slices_lib.matrix_views(plan, lambda t: setup.trainer.partition.split(t)[0], cfg.sync.rank)
+    analytic = slices_lib.analytic_sent(cfg, plan, n, views)
+    per_step = sum(every.values())
+    return {
+        "slices": n,
+        "method": cfg.sync.method,
+        "compress": cfg.sync.compress,
+        "sent_bytes_per_step": per_step,
+        "sent_bytes_per_sync": sum(per_sync.values()),
+        "inner_steps": H,
+        "amortised_bytes_per_step": per_step + sum(per_sync.values()) / H,
+        "by_dtype": dict(every),
+        "by_dtype_per_sync": per_sync,
+        "analytic_bytes_per_step": analytic["sync"],
+        "analytic_allreduce_bytes_per_step": analytic["allreduce"],
+    }
+
+
 def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> dict:
     """Compile `setup`'s train step (spmd.assembly.setup.assemble) from abstract inputs and report per device
     what it holds, its model FLOPs and every collective it runs. Allocates nothing."""
@@ -268,7 +321,11 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         # Across TPU slices the compiler moves data with send/recv pairs (megascale), which the
         # collective table does not read: the bytes between slices are missing from it.
         "notes": (
-            [f"{slices} slices: transfers between slices (DCN) are not counted below"] if slices > 1 else []
+            [
+                f"{slices} slices: transfers between slices (DCN) are not in the collectives below (see between slices)"
+            ]
+            if slices > 1
+            else []
         )
         + replicated,
         "mesh": {a: s for a, s in sizes.items()},
@@ -297,6 +354,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
         "kernel_calls_per_layer": calls / figures.n_layers,
         "pipeline": pipeline_report(plan, rows),
+        "between_slices": between_slices(setup, text, slices),
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),
         "analytic_minimum_bytes": minimum,

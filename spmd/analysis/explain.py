@@ -134,8 +134,13 @@ def attribute(c, plan, cfg) -> tuple[str, str] | None:
         return None
     seen = Seen(c, plan, cfg)
     scopes = {
-        scope: attributions(scope, PARTITIONER) for scope in ("param", "collective", "activation", "late")
+        scope: attributions(scope, PARTITIONER)
+        for scope in ("first", "param", "collective", "activation", "late")
     }
+    for a in scopes["first"]:  # a collective whose axes alone say what it is
+        found = a.match(c, seen)
+        if found:
+            return found
     for shape in seen.shapes:
         for p_shape, p, dim in seen.params:
             if not same_array(shape, p_shape, seen):

@@ -235,10 +235,12 @@ def _async_started(comps) -> tuple[set[str], set[tuple[str, str]]]:
     return starts, started
 
 
-def collectives(text: str, mesh) -> list[Collective]:
-    """Every collective instruction of the optimised module, with its mesh axes and per-step count."""
+def collectives(text: str, mesh, all_branches: bool = False) -> list[Collective]:
+    """Every collective instruction of the optimised module, with its mesh axes and per-step count.
+    `all_branches`: a conditional's branches counted as if each ran (e.g. a sync that runs every H
+    steps), else only its first (what runs when nothing is due)."""
     comps, entry = _computations(text)
-    mult = _multipliers(comps, entry)
+    mult = _multipliers(comps, entry, all_branches)
     names = tuple(mesh.axis_names)
     # Replica groups name devices by their place in the program's device assignment (the mesh's
     # devices in order), not by device id: the two differ for a permuted mesh or TPU slices.
@@ -301,6 +303,38 @@ def collectives(text: str, mesh) -> list[Collective]:
                     as_gather,
                     tuple(dt for dt, _ in _ARRAY.findall(shape)),
                 )
+            )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One send between TPU slices (the TPU compiler's megascale transfers: what a collective over
+    the data-center network becomes)."""
+
+    bytes: int  # the payload, one execution
+    count: int  # executions per step
+    dtype: str
+    shape: tuple[int, ...]
+    op_name: str = ""
+
+
+def slice_sends(text: str, all_branches: bool = False) -> list[Transfer]:
+    """Every megascale send of the optimised module (what one device sends to other slices),
+    with its per-step count; `all_branches` as in `collectives`."""
+    comps, entry = _computations(text)
+    mult = _multipliers(comps, entry, all_branches)
+    out = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m or m.group(3) != "send" or "megascale" not in m.group(4) or not mult.get(comp):
+                continue
+            dtype, dims = _ARRAY.findall(m.group(2))[0]  # (payload, context u32[], token[])
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            op = re.search(r'op_name="([^"]*)"', m.group(4))
+            out.append(
+                Transfer(shape_bytes(f"{dtype}[{dims}]"), mult[comp], dtype, shape, op.group(1) if op else "")
             )
     return out
 

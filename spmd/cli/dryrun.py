@@ -133,6 +133,23 @@ def print_report(r: dict) -> None:
             f"  sent to the next stage (collective-permutes): {fmt_bytes(pp['collective_permute_bytes'])} "
             f"per device; other collectives over stage: {fmt_bytes(pp['other_stage_bytes'])}\n"
         )
+    bs = r.get("between_slices")
+    if bs:
+        dtypes = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(bs["by_dtype"].items()))
+        print(
+            f"between slices ({bs['slices']}; sync {bs['method']}, compress {bs['compress']}): "
+            f"{fmt_bytes(bs['sent_bytes_per_step'])} sent per step per device ({dtypes or 'nothing'})"
+        )
+        if bs["sent_bytes_per_sync"]:
+            per_sync = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(bs["by_dtype_per_sync"].items()))
+            print(
+                f"  and {fmt_bytes(bs['sent_bytes_per_sync'])} per sync ({per_sync}), each fragment every "
+                f"{bs['inner_steps']} steps: {fmt_bytes(bs['amortised_bytes_per_step'])} per step amortised"
+            )
+        print(
+            f"  analytic: {fmt_bytes(bs['analytic_bytes_per_step'])} per step; the plain all-reduce "
+            f"{fmt_bytes(bs['analytic_allreduce_bytes_per_step'])}\n"
+        )
     est = r.get("chip_estimate")
     if est:
         print(

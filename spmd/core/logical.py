@@ -30,6 +30,9 @@ from spmd.core.mesh import axes_size, spec_axes
 Q_AXES = ("batch", "seq", "act_heads", "head_dim")  # queries and attention outputs, BTNH
 KV_AXES = ("batch", "seq", "act_kv_heads", "head_dim")  # keys and values, BSKH
 TOKEN_AXES = ("batch", "seq")  # token ids, positions, segment ids
+# Logical axes that index independent matrices of one parameter (stacked layers, experts), not
+# its rows or columns.
+MATRIX_BATCH_AXES = ("layers", "expert")
 
 
 @dataclasses.dataclass(frozen=True)

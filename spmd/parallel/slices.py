@@ -18,8 +18,9 @@ crosses is then written out here in the dtype and shape that is sent:
   8 slices (the usual count: each slice is a pod or a building).
 - `compress = powersgd` (rank r): each matrix M of a slice's gradient becomes P = M Q, summed
   across slices, orthonormalised (QR), then Q = M^T P summed; the update is P Q^T. Q is kept
-  from step to step (warm start). As PyTorch's PowerSGD hook: a matrix is the parameter's first
-  axis by the rest (after stacked layers or experts, each its own matrix), one that rank r would
+  from step to step (warm start). As PyTorch's PowerSGD hook sees a parameter (its weight stored
+  out x in): a projection's rows are its outputs and its columns its inputs, an embedding's rows
+  its vocabulary; stacked layers and experts are each their own matrix; one that rank r would
   not halve is summed as it is, and so is every vector; the first `start_step` steps sum
   everything uncompressed.
 - Error feedback (`error_feedback`): what a slice's gradient lost to the compression is added to
@@ -53,10 +54,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.core.errors import UserError
+from spmd.core.logical import MATRIX_BATCH_AXES
 from spmd.core.mesh import axes_size, parse_mesh, spec_axes
+from spmd.parallel.sharding import path_str
+from spmd.parallel.strategy import Attribution, Strategy, rule
 
 SYNC_METHODS = ("allreduce", "diloco", "streaming_diloco")
 COMPRESSIONS = ("none", "bf16", "int8", "powersgd")
@@ -250,6 +255,21 @@ class Slices:
 
         return summed(m_n)
 
+    def psum(self, x_n):
+        """The sum of the rows of a small `x_n` (PowerSGD's factors) as one all-reduce over the
+        slow axes, each device holding its slice's row whole. Written out per device: left to
+        the partitioner, the TPU compiler either failed to fuse the sum with the slicing after it
+        ("AllReduceScatterFusion not implemented") or sent the factors' inputs between slices."""
+
+        @functools.partial(
+            jax.shard_map, mesh=self.mesh, in_specs=PartitionSpec(self.entry), out_specs=PartitionSpec(),
+            check_vma=False,
+        )  # fmt: skip
+        def summed(x):
+            return jax.lax.psum(x[0], self.axes)
+
+        return summed(x_n)
+
     def broadcast(self, tree, shardings):
         return jax.tree.map(
             lambda x, s: jax.lax.with_sharding_constraint(
@@ -262,8 +282,6 @@ class Slices:
 
 def layer_stacked(plan) -> dict:
     """Per parameter, whether its leading axis is the layer stack."""
-    from spmd.parallel.sharding import path_str
-
     return jax.tree_util.tree_map_with_path(
         lambda path, _: path_str(path) in plan.layered, plan.abstract_params
     )
@@ -312,25 +330,82 @@ def cast_sum(rows_n, residual_n, compress: str, slices: Slices, shardings):
 
 @dataclasses.dataclass(frozen=True)
 class MatrixView:
-    """How PowerSGD sees one parameter: `lead` leading axes index separate matrices (stacked
-    layers, experts), then rows (the next axis) by columns (the rest); `compressed` when rank r
-    factors are under 1/MIN_COMPRESSION_RATE of it."""
+    """How PowerSGD sees one parameter: its axes taken in `order` (the `lead` leading ones index
+    separate matrices: stacked layers, experts), then the next `row_axes` axes are the rows and the
+    rest the columns; `compressed` when rank r factors are under 1/MIN_COMPRESSION_RATE of it."""
 
     shape: tuple[int, ...]
     lead: int
     compressed: bool
+    order: tuple[int, ...] = ()  # default: as stored
+    row_axes: int = 1
+
+    @property
+    def ordered(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in (self.order or range(len(self.shape))))
 
     @property
     def rows(self) -> int:
-        return self.shape[self.lead]
+        return math.prod(self.ordered[self.lead : self.lead + self.row_axes])
 
     @property
     def cols(self) -> int:
-        return math.prod(self.shape[self.lead + 1 :])
+        return math.prod(self.ordered[self.lead + self.row_axes :])
 
     @property
     def q_shape(self) -> tuple[int, ...]:
         return (*self.shape[: self.lead], self.cols)
+
+    def to_matrices(self, x_n):
+        """(n, *shape) -> (n, *lead, rows, cols)."""
+        if self.order:
+            x_n = jnp.transpose(x_n, (0, *(a + 1 for a in self.order)))
+        return x_n.reshape(x_n.shape[0], *self.shape[: self.lead], self.rows, self.cols)
+
+    def from_matrices(self, m):
+        """(*lead, rows, cols) -> shape."""
+        m = m.reshape(self.ordered)
+        return jnp.transpose(m, tuple(np.argsort(self.order))) if self.order else m
+
+
+def matrix_views(plan, trained_of, rank: int) -> dict:
+    """Per trained parameter (a tree like the trained params) its MatrixView (spmd.parallel.slices)
+    at `rank`, read from its logical axes as PyTorch stores the weight (out x in): a projection
+    from `embed` has the rest as rows, one to `embed` has embed as rows, a vocabulary table its
+    vocabulary; UserError when rank r compresses none of them."""
+    by_path = {i.path: i for i in plan.params}
+
+    def view(path, x):
+        logical = by_path[path_str(path)].logical
+        lead = 0
+        while lead < len(logical) - 2 and logical[lead] in MATRIX_BATCH_AXES:
+            lead += 1
+        rest = list(range(lead, len(logical)))
+        order, row_axes = (), 1
+        if len(rest) >= 2 and logical[lead] == "embed":  # a projection from embed: out = the rest
+            order, row_axes = (*range(lead), *rest[1:], lead), len(rest) - 1
+        elif len(rest) >= 2 and logical[-1] == "embed" and "vocab" not in logical:  # to embed
+            order = (*range(lead), rest[-1], *rest[:-1])
+        v = MatrixView(tuple(x.shape), lead, False, order, row_axes)
+        ok = len(x.shape) - lead >= 2 and MIN_COMPRESSION_RATE * (v.rows + v.cols) * rank < v.rows * v.cols
+        return dataclasses.replace(v, compressed=ok)
+
+    views = trained_of(jax.tree_util.tree_map_with_path(view, plan.abstract_params))
+    leaves = jax.tree.leaves(views, is_leaf=lambda v: isinstance(v, MatrixView))
+    if not any(v.compressed for v in leaves):
+        best = max(
+            (v for v in leaves if len(v.shape) - v.lead >= 2), key=lambda v: min(v.rows, v.cols), default=None
+        )
+        most = (
+            0 if best is None else best.rows * best.cols // (MIN_COMPRESSION_RATE * (best.rows + best.cols))
+        )
+        raise UserError(
+            f"sync.rank = {rank} compresses no matrix of this model by half or more (the widest, "
+            f"{best.rows}x{best.cols}, needs rank <= {max(most - 1, 0)}); lower sync.rank"
+            if best
+            else "sync.compress = powersgd: this model trains no matrix to factor; use int8 or bf16"
+        )
+    return views
 
 
 def q_init(views, rank: int, seed: int) -> dict:
@@ -361,14 +436,16 @@ def powersgd_sum(rows_n, residual_n, q, views, slices: Slices, rank: int):
             residuals.append(e_n)
             continue
         m_n = x_n.astype(jnp.float32) + (0.0 if e_n is None else e_n)
-        m_nrc = m_n.reshape(n, *v.shape[: v.lead], v.rows, v.cols)  # ... are the matrices' lead axes
+        m_nrc = v.to_matrices(m_n)  # (n, ..., rows, cols): ... are the matrices' lead axes
         key = f"m{i:03d}"
-        p = jnp.sum(jnp.einsum("n...rc,...ck->n...rk", m_nrc, q[key]), axis=0)  # crosses: rows x r
+        # The factors cross rank-major (r x rows, r x cols): a TPU lays an array's minor dimension out
+        # in tiles of 128, so a rank-1 factor sent rows x 1 would travel 128 times its size.
+        p = jnp.swapaxes(slices.psum(jnp.einsum("n...rc,...ck->n...kr", m_nrc, q[key])), -1, -2)
         p_hat = jnp.linalg.qr(p)[0]
-        q_sum = jnp.sum(jnp.einsum("n...rc,...rk->n...ck", m_nrc, p_hat), axis=0)  # crosses: cols x r
+        q_sum = jnp.swapaxes(slices.psum(jnp.einsum("n...rc,...rk->n...kc", m_nrc, p_hat)), -1, -2)
         approx = jnp.einsum("...rk,...ck->...rc", p_hat, q_sum)  # the sum of the slices' matrices
-        totals.append(approx.reshape(v.shape).astype(x_n.dtype))
-        residuals.append(None if e_n is None else m_n - (approx / n).reshape(v.shape)[None])
+        totals.append(v.from_matrices(approx).astype(x_n.dtype))
+        residuals.append(None if e_n is None else m_n - v.from_matrices(approx / n)[None])
         new_q[key] = q_sum
     total = jax.tree.unflatten(treedef, totals)
     return total, None if residual_n is None else jax.tree.unflatten(treedef, residuals), new_q
@@ -407,3 +484,69 @@ def outer_update(anchor, momentum, delta, scfg: SyncConfig):
         jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
         jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
     )
+
+
+# --- what crosses, analytically -------------------------------------------------------------------
+
+
+def analytic_sent(cfg, plan, n: int, views=None) -> dict[str, float]:
+    """Bytes one device sends to the other slices per step under cfg.sync, and under the plain
+    all-reduce it replaces, from the parameters' shards on that device (ring algorithms over n
+    slices: an all-reduce sends 2(n-1)/n of its operand, an all-gather (n-1) times its input).
+    The plain all-reduce reduces a weight's gradient in the dtype it enters the matmuls in;
+    DiLoCo's outer gradient crosses in float32 (bf16 or int8 under compress), amortised over H."""
+    scfg = cfg.sync
+    ring = 2 * (n - 1) / n
+    compute = jnp.dtype(getattr(cfg.model, "dtype", "float32")).itemsize
+    plain = sum(
+        ring * math.prod(i.local_shape) * (compute if i.compute_cast else i.dtype.itemsize)
+        for i in plan.params
+    )
+    elements = sum(math.prod(i.local_shape) for i in plan.params)
+    rows = sum(math.prod(i.local_shape[:-1]) for i in plan.params)  # int8's scales: one per local row
+    cast = {"none": ring * 4 * elements, "bf16": ring * 2 * elements, "int8": (n - 1) * (elements + 4 * rows)}
+    if scfg.compress == "powersgd" and views is not None:
+        local = {i.path: math.prod(i.local_shape) for i in plan.params}
+        views = jax.tree_util.tree_leaves_with_path(views, is_leaf=lambda v: isinstance(v, MatrixView))
+        # every device of a slice sends the whole factors (they are small); the rest as it is
+        factors = sum(
+            math.prod(v.shape[: v.lead]) * (v.rows + v.cols) * scfg.rank for _, v in views if v.compressed
+        )
+        whole = sum(local[path_str(p)] for p, v in views if not v.compressed)
+        sent = ring * 4 * (factors + whole)
+    elif scfg.diloco:
+        sent = cast[scfg.compress] / scfg.inner_steps
+    else:
+        sent = cast.get(scfg.compress, plain) if scfg.active else plain
+    return {"sync": sent, "allreduce": plain}
+
+
+# --- the strategy: what crosses the slow axes, as spmd-dryrun --explain names it -----------------
+
+
+def slice_traffic(c, seen):
+    """A collective over exactly the [sync] axes, under a sync method or compression."""
+    scfg = seen.cfg.sync
+    axes = scfg.axis_names() if scfg.active else ()
+    if not axes or set(seen.axes) != set(axes):
+        return None
+    dtype = c.dtypes[0] if getattr(c, "dtypes", ()) else ""
+    if all(math.prod(s) <= 1 for s in seen.shapes):
+        what = "the slices' loss sums and counts"
+    elif scfg.diloco:
+        what = {"s8": "the outer gradient as int8 (each device's block)", "f32": "the outer gradient"}.get(
+            dtype, f"the outer gradient in {dtype}"
+        )
+        what += (
+            " at a sync" if scfg.compress != "int8" or dtype == "s8" else " (or its int8 scales) at a sync"
+        )
+    elif scfg.compress == "int8":
+        what = "gradients as int8 (each device's block)" if dtype == "s8" else "the int8 gradients' scales"
+    elif scfg.compress == "powersgd":
+        what = f"PowerSGD's rank-{scfg.rank} factors, and the vectors summed whole"
+    else:
+        what = f"gradients summed in {dtype or scfg.compress}"
+    return rule(["batch"], axes), f"across slices ({scfg.method}): {what}"
+
+
+STRATEGY = Strategy(name="sync", rank=15, attributions=(Attribution(1, "first", slice_traffic),))

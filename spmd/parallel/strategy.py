@@ -70,7 +70,7 @@ class Attribution:
     in "collective"."""
 
     priority: int
-    scope: str  # "param" | "collective" | "activation"
+    scope: str  # "first" | "param" | "collective" | "activation" | "late"
     match: Callable
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from spmd.core.logical import MATRIX_BATCH_AXES
 from spmd.parallel.sharding import path_str
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "sgd")
@@ -113,11 +114,6 @@ def make_optimizer(
     if opt_cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(opt_cfg.grad_clip), tx)
     return tx
-
-
-# Logical axes that index independent matrices of one parameter (stacked layers, experts), not
-# its rows or columns.
-MATRIX_BATCH_AXES = ("layers", "expert")
 
 
 def matrix_dims(plan) -> dict:

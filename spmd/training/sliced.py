@@ -14,11 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.core.errors import UserError
 from spmd.parallel import sharding as sharding_lib
 from spmd.parallel import slices as slices_lib
-from spmd.parallel.sharding import path_str
-from spmd.training.optimizer import MATRIX_BATCH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,43 +33,6 @@ def inner_micro_sharding(plan, slices) -> NamedSharding:
     return NamedSharding(
         plan.mesh, PartitionSpec(None, inner[0] if len(inner) == 1 else (inner or None), *spec[1:])
     )
-
-
-def matrix_views(plan, trained_of, rank: int) -> dict:
-    """Per trained parameter (a tree like the trained params) its MatrixView (spmd.parallel.slices) at `rank`; UserError
-    when rank r compresses none of them."""
-    by_path = {i.path: i for i in plan.params}
-
-    def view(path, x):
-        logical = by_path[path_str(path)].logical
-        lead = 0
-        while lead < len(logical) - 2 and logical[lead] in MATRIX_BATCH_AXES:
-            lead += 1
-        v = slices_lib.MatrixView(tuple(x.shape), lead, False)
-        ok = (
-            len(x.shape) - lead >= 2
-            and slices_lib.MIN_COMPRESSION_RATE * (v.rows + v.cols) * rank < v.rows * v.cols
-        )
-        return dataclasses.replace(v, compressed=ok)
-
-    views = trained_of(jax.tree_util.tree_map_with_path(view, plan.abstract_params))
-    leaves = jax.tree.leaves(views, is_leaf=lambda v: isinstance(v, slices_lib.MatrixView))
-    if not any(v.compressed for v in leaves):
-        best = max(
-            (v for v in leaves if len(v.shape) - v.lead >= 2), key=lambda v: min(v.rows, v.cols), default=None
-        )
-        most = (
-            0
-            if best is None
-            else best.rows * best.cols // (slices_lib.MIN_COMPRESSION_RATE * (best.rows + best.cols))
-        )
-        raise UserError(
-            f"sync.rank = {rank} compresses no matrix of this model by half or more (the widest, "
-            f"{best.rows}x{best.cols}, needs rank <= {max(most - 1, 0)}); lower sync.rank"
-            if best
-            else "sync.compress = powersgd: this model trains no matrix to factor; use int8 or bf16"
-        )
-    return views
 
 
 def build(cfg, plan, slices, *, grads_and_sums, update, param_shardings, opt_shardings, views, layered):

@@ -414,7 +414,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
             ),
             param_shardings=state_shardings["params"],
             opt_shardings=opt_shardings,
-            views=sliced.matrix_views(plan, trained_of, cfg.sync.rank) if cfg.sync.compress == "powersgd" else None,
+            views=slices_lib.matrix_views(plan, trained_of, cfg.sync.rank) if cfg.sync.compress == "powersgd" else None,
             layered=trained_of(slices_lib.layer_stacked(plan)),
         )  # fmt: skip
         state_shardings["opt_state"] = sliced_step.opt_shardings
