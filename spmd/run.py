@@ -330,6 +330,11 @@ def describe_run(
             else []
         ),
         *(
+            [f"sync: {cfg.sync.describe(bool(setup.requested.sync.axis_names()))}"]
+            if cfg.sync.axis_names()
+            else []
+        ),
+        *(
             [
                 f"host heap: {hostmem.active()}, freed memory kept for the next step (cpu.host_heap={cfg.cpu.host_heap})"
             ]

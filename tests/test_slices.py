@@ -180,3 +180,31 @@ def test_the_dry_run_counts_what_crosses_as_the_analytic_figure_says(devices, ov
             and bs["sent_bytes_per_sync"] > 8 * bs["amortised_bytes_per_step"] / 2
         )
     assert not [u for u in report["explain"]["unexplained"] if u["axes"] == ["data"]]
+
+
+def test_a_checkpoint_of_two_slices_onto_four_says_how_to_move_it(devices, tmp_path):
+    over = SIM + ["sync.method=diloco", "sync.inner_steps=4"]
+    two = assemble("tiny", "data=2,fsdp=4", "fsdp", overrides=over)
+    writer = ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig())
+    zeros = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), two.trainer.abstract_saved)
+    writer.save(0, zeros, {"step": 0, "consumed_samples": 0, "global_batch_size": 8})
+    writer.close()
+    four = assemble("tiny", "data=4,fsdp=2", "fsdp", overrides=over)
+    with pytest.raises(
+        UserError, match=r"has shape \(2,.*needs \(4,.*a \[sync\] state holds a row per slice.*--init-from"
+    ):
+        ckpt.restore(tmp_path / ckpt.SUBDIR, 0, four.trainer.abstract_state)
+
+
+def test_the_planner_offers_a_sync_method_when_the_dcn_outlasts_the_compute(devices):
+    from spmd.assembly import planner
+
+    setup = assemble("tiny", "data=2,fsdp=4", "fsdp")
+    hw = {"peak": 1e15, "ici": 4.5e11, "dcn": 1e9}
+    slow, offers = planner.sync_offers(setup.cfg, {"setup": setup, "compute_s": 1e-6}, hw, 2)
+    plain = slices_lib.analytic_sent(setup.cfg, setup.plan, 2)["allreduce"]
+    assert slow == pytest.approx(plain / hw["dcn"]) and len(offers) == 3
+    sent = {" ".join(setting): b for setting, b, _ in offers}
+    assert sent["sync.method=diloco sync.inner_steps=32"] < sent["sync.compress=int8"] < plain / 3
+    assert planner.sync_offers(setup.cfg, {"setup": setup, "compute_s": 10.0}, hw, 2) == (slow, [])
+    assert planner.sync_offers(setup.cfg, {"setup": setup, "compute_s": 1e-6}, hw, 1) == (0.0, [])

@@ -305,6 +305,38 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
     return Search(ranked, rejected, len(fits), compiled)
 
 
+# What spmd-plan offers when the gradients' all-reduce across hosts outlasts the step's compute:
+# the [sync] settings (docs/slices.md) and what each costs besides bytes.
+SYNC_OFFERS = (
+    (["sync.compress=int8"], "each gradient rounded to int8 per row; error feedback carries the rounding to the next step"),
+    (["sync.compress=powersgd", "sync.rank=4"], "each matrix's gradient as rank-4 factors (error feedback); slower per token"),
+    (["sync.method=diloco", "sync.inner_steps=32"], "the slices train apart for 32 steps and hold two more parameter copies; slower per token"),
+)  # fmt: skip
+
+
+def sync_offers(cfg, cand: dict, hw: dict, hosts: int) -> tuple[float, list[tuple[list[str], float, str]]]:
+    """(seconds the plain gradient all-reduce across hosts takes over DCN per step, [(settings,
+    bytes each device would send across hosts per step instead, price)]) for a ranked layout
+    whose data axis spans hosts and whose all-reduce there outlasts its compute; else (0, [])."""
+    from spmd.assembly.config import apply_overrides
+    from spmd.core.mesh import split_over_hosts
+    from spmd.parallel import slices
+
+    plan = cand["setup"].plan
+    n = split_over_hosts(dict(plan.mesh.shape), hosts)[0].get("data", 1)
+    if n <= 1 or any("data" in slices.spec_axes(e) for p in plan.params for e in p.spec):
+        return 0.0, []
+    dcn_s = slices.analytic_sent(cfg, plan, n)["allreduce"] / hw["dcn"]
+    if dcn_s <= cand["compute_s"]:
+        return dcn_s, []
+    offers = []
+    for setting, price in SYNC_OFFERS:
+        c = apply_overrides(cfg, setting)
+        views = slices.matrix_views(plan, lambda t: t, c.sync.rank) if c.sync.compress == "powersgd" else None
+        offers.append((setting, slices.analytic_sent(c, plan, n, views)["sync"], price))
+    return dcn_s, offers
+
+
 def sets(levers: list[str]) -> str:
     """The levers as the flags that set them: ' --set model.remat=full ...'."""
     return "".join(f" --set {lv}" for lv in levers)

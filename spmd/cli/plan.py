@@ -206,6 +206,17 @@ def run(args) -> int:
             f"  ({found.fit_by_analytic_memory - found.compiled} more fit by analytic memory but were not compiled: "
             "raise --candidates" + (" or --max-compiles)" if found.compiled == max_compiles else ")")
         )
+    if found.ranked:
+        dcn_s, offers = planner.sync_offers(cfg, found.ranked[0], hw, hosts)
+        if offers:
+            best = found.ranked[0]
+            print(
+                f"\nacross hosts: the gradients' all-reduce over data alone takes {_t(dcn_s)} per step over DCN, more "
+                f"than layout 1's compute ({_t(best['compute_s'])}); what crosses can be made smaller (docs/slices.md):"
+            )
+            for setting, sent, price in offers:
+                print(f"  {planner.sets(setting).strip()}: {fmt_bytes(sent)} per device per step "
+                      f"(est. {_t(sent / hw['dcn'])} over DCN); price: {price}")  # fmt: skip
     print(f"\nrejected ({len(found.rejected)}):")
     for spec, preset, reason in found.rejected:
         print(f"  --mesh {spec} --rules {preset}: {reason}")

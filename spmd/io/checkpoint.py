@@ -492,9 +492,17 @@ def check_compatible(directory: pathlib.Path, step: int, abstract_state, partial
                 f"checkpoint {directory}/{step} has no array {key} that this config needs; {_differs(key)}"
             )
         if saved[key][0] != shape:
+            per_slice = any(k.startswith("sync/") for k in (*saved, *wanted))
             raise UserError(
                 f"checkpoint {directory}/{step}: {key} has shape {saved[key][0]} but this config "
-                f"needs {shape}; use the config the checkpoint was written with"
+                f"needs {shape}; "
+                + (
+                    "a [sync] state holds a row per slice: resume on as many slices, or start from its "
+                    "parameters with --init-from (the replicas, optimizer state and residuals start afresh: "
+                    "docs/slices.md)"
+                    if per_slice
+                    else "use the config the checkpoint was written with"
+                )
             )
         if saved[key][1] != dtype and not partial:  # a parameters-only read casts (e.g. --init-from)
             raise UserError(

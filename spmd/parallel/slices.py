@@ -99,6 +99,21 @@ class SyncConfig:
     def diloco(self) -> bool:
         return self.method in ("diloco", "streaming_diloco")
 
+    def describe(self, named: bool) -> str:
+        """One line for the run's log (with the slow axes resolved); `named`: by sync.axes, not by
+        --dcn-mesh."""
+        across = f"across {self.axes} ({'named by sync.axes' if named else 'the --dcn-mesh axes'})"
+        if not self.diloco:
+            extra = f", rank {self.rank}" if self.compress == "powersgd" else ""
+            feedback = ", error feedback" if self.error_feedback else ""
+            return f"gradients {across}: all-reduced as {self.compress}{extra}{feedback}"
+        fragments = f" in {self.fragments} fragments" if self.method == "streaming_diloco" else ""
+        return (
+            f"{self.method} {across}: synced every {self.inner_steps} steps{fragments}, outer SGD lr "
+            f"{self.outer_lr} momentum {self.outer_momentum}{' (Nesterov)' if self.nesterov else ''}, "
+            f"outer gradient as {'float32' if self.compress == 'none' else self.compress}"
+        )
+
     def axis_names(self) -> tuple[str, ...]:
         return tuple(a.strip() for a in self.axes.split(",") if a.strip())
 

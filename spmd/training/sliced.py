@@ -152,61 +152,51 @@ def build(cfg, plan, slices, *, grads_and_sums, update, param_shardings, opt_sha
         new_state = {"params": anchor, "opt_state": opt_state, "step": count, "sync": new_sync}
         return new_state, metrics, sums
 
+    def sync_leaf(a, m, r_end, r_start, e, sharding, last, overlap):
+        """One parameter's (part in a fragment) outer step: (anchor, momentum, replicas, residual)
+        after averaging the slices' outer gradients anchor - replica (from the replicas at the
+        start of the step under `overlap`, but at the run's last step)."""
+        src = jnp.where(last, r_end, r_start) if overlap else r_end
+        delta_n = a[None].astype(jnp.float32) - src.astype(jnp.float32)
+        if scfg.compress == "none":
+            total, e = jnp.sum(delta_n, axis=0), e
+        else:
+            total, e = slices_lib.cast_sum(delta_n, e, scfg.compress, slices, sharding)
+        (a,), (m,) = slices_lib.outer_update([a], [m], [total / slices.n], scfg)
+        reps = jnp.broadcast_to(a[None], r_end.shape)
+        if overlap:  # the slice's step made while the sync ran, carried on the new parameters
+            reps = reps + jnp.where(last, 0.0, r_end - r_start).astype(r_end.dtype)
+        return a, m, jax.lax.with_sharding_constraint(reps.astype(r_end.dtype), slices.stacked(sharding)), e
+
     def sync_fragment(carry, f, start, last, overlap):
-        anchor, momentum, reps, residual = carry
-        picks = jax.tree.map(lambda s: s or f == 0, layered)  # the rest goes with the first
-        treedef = jax.tree.structure(anchor)
-        out = [list(jax.tree.leaves(t)) for t in (anchor, momentum, reps)]
-        r_leaves = None if residual is None else list(jax.tree.leaves(residual))
-        s_leaves = jax.tree.leaves(start)
-        sh_leaves = jax.tree.leaves(param_shardings)
-        for i, (is_layer, pick) in enumerate(
-            zip(jax.tree.leaves(layered), jax.tree.leaves(picks), strict=True)
-        ):
-            if not pick:
+        """`carry` (anchor, momentum, replicas, residual) with fragment f synced: its rows of the
+        layer stack, and with the first fragment every parameter outside the stack."""
+        leaves = [list(jax.tree.leaves(t)) if t is not None else None for t in carry]
+        treedef = jax.tree.structure(carry[0])
+        starts, shardings = jax.tree.leaves(start), jax.tree.leaves(param_shardings)
+        for i, is_layer in enumerate(jax.tree.leaves(layered)):
+            if not (is_layer or f == 0):
                 continue
-            lo, hi = slices_lib.fragment_bounds(out[0][i].shape[0], scfg.fragments)[f] if is_layer else (0, 0)
-            sl = (
-                (lambda x, axis: jax.lax.slice_in_dim(x, lo, hi, axis=axis))
-                if is_layer
-                else (lambda x, axis: x)
+            lo, hi = (
+                slices_lib.fragment_bounds(leaves[0][i].shape[0], scfg.fragments)[f] if is_layer else (0, 0)
             )
-            a, m, r_end, r_start = sl(out[0][i], 0), sl(out[1][i], 0), sl(out[2][i], 1), sl(s_leaves[i], 1)
-            src = jnp.where(last, r_end, r_start) if overlap else r_end
-            delta_n = a[None].astype(jnp.float32) - src.astype(jnp.float32)
-            e = None if r_leaves is None else sl(r_leaves[i], 1)
-            if scfg.compress == "none":
-                total, e_new = jnp.sum(delta_n, axis=0), e
-            else:
-                total, e_new = slices_lib.cast_sum(delta_n, e, scfg.compress, slices, sh_leaves[i])
-            (a_new,), (m_new,) = slices_lib.outer_update([a], [m], [total / slices.n], scfg)
-            new_reps = jnp.broadcast_to(a_new[None], r_end.shape)
-            if overlap:  # the slice's step made while the sync ran, carried on the new parameters
-                new_reps = new_reps + jnp.where(last, 0.0, r_end - r_start).astype(r_end.dtype)
-            new_reps = jax.lax.with_sharding_constraint(
-                new_reps.astype(r_end.dtype), slices.stacked(sh_leaves[i])
-            )
+
+            def part(x, axis):
+                return jax.lax.slice_in_dim(x, lo, hi, axis=axis) if is_layer else x
 
             def put(x, new, axis):
-                return (
-                    jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), lo, axis=axis)
-                    if is_layer
-                    else new.astype(x.dtype)
-                )
+                new = new.astype(x.dtype)
+                return jax.lax.dynamic_update_slice_in_dim(x, new, lo, axis=axis) if is_layer else new
 
-            out[0][i], out[1][i], out[2][i] = (
-                put(out[0][i], a_new, 0),
-                put(out[1][i], m_new, 0),
-                put(out[2][i], new_reps, 1),
-            )
-            if r_leaves is not None:
-                r_leaves[i] = put(r_leaves[i], e_new, 1)
-        return (
-            jax.tree.unflatten(treedef, out[0]),
-            jax.tree.unflatten(treedef, out[1]),
-            jax.tree.unflatten(treedef, out[2]),
-            None if r_leaves is None else jax.tree.unflatten(treedef, r_leaves),
-        )
+            residual = None if leaves[3] is None else part(leaves[3][i], 1)
+            synced = sync_leaf(
+                part(leaves[0][i], 0), part(leaves[1][i], 0), part(leaves[2][i], 1), part(starts[i], 1),
+                residual, shardings[i], last, overlap,
+            )  # fmt: skip
+            for k, axis in enumerate((0, 0, 1, 1)):
+                if leaves[k] is not None:
+                    leaves[k][i] = put(leaves[k][i], synced[k], axis)
+        return tuple(None if x is None else jax.tree.unflatten(treedef, x) for x in leaves)
 
     step = diloco_step if scfg.diloco else allreduce_step
     return SlicedStep(state_opt_shardings, sync_shardings, init, step)
