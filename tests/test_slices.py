@@ -148,6 +148,7 @@ BAD = [
         "DiLoCo's outer gradient crosses as",
     ),
     (SIM + ["sync.fragments=2"], "data=2,fsdp=4", "needs sync.method = streaming_diloco"),
+    (SIM + ["sync.compress=int8", "sync.start_step=5"], "data=2,fsdp=4", "delays PowerSGD only"),
     (["sync.axes=bogus", "sync.method=diloco"], "data=2,fsdp=4", "which is not a mesh axis"),
 ]
 
@@ -186,7 +187,9 @@ def test_a_checkpoint_of_two_slices_onto_four_says_how_to_move_it(devices, tmp_p
     over = SIM + ["sync.method=diloco", "sync.inner_steps=4"]
     two = assemble("tiny", "data=2,fsdp=4", "fsdp", overrides=over)
     writer = ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig())
-    zeros = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), two.trainer.abstract_saved)
+    zeros = jax.tree.map(
+        lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), two.trainer.abstract_saved
+    )
     writer.save(0, zeros, {"step": 0, "consumed_samples": 0, "global_batch_size": 8})
     writer.close()
     four = assemble("tiny", "data=4,fsdp=2", "fsdp", overrides=over)

@@ -133,6 +133,11 @@ class SyncConfig:
                 problems.append(f"sync.{key} must be at least 1, got {getattr(self, key)}")
         if self.start_step < 0:
             problems.append(f"sync.start_step must be >= 0, got {self.start_step}")
+        elif self.start_step and self.compress != "powersgd":
+            problems.append(
+                f"sync.start_step = {self.start_step} delays PowerSGD only; set sync.compress = powersgd or "
+                f"leave sync.start_step at 0"
+            )
         if not 0 < self.outer_lr < float("inf"):
             problems.append(f"sync.outer_lr must be a positive number, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -269,6 +274,19 @@ class Slices:
             return jnp.sum(q_all.astype(jnp.float32) * scale_all, axis=0), q.astype(jnp.float32) * scale
 
         return summed(m_n)
+
+    def sum(self, x_n, spec: PartitionSpec):
+        """The sum of the rows `x_n` as one all-reduce over the slow axes of each device's block,
+        in its dtype (what crosses, written out; `spec`: how a row is split inside a slice)."""
+        row = PartitionSpec(self.entry, *spec)
+
+        @functools.partial(
+            jax.shard_map, mesh=self.mesh, in_specs=row, out_specs=PartitionSpec(*spec), check_vma=False
+        )
+        def summed(x):
+            return jax.lax.psum(x[0], self.axes)
+
+        return summed(x_n)
 
     def psum(self, x_n):
         """The sum of the rows of a small `x_n` (PowerSGD's factors) as one all-reduce over the

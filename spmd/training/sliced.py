@@ -159,7 +159,8 @@ def build(cfg, plan, slices, *, grads_and_sums, update, param_shardings, opt_sha
         src = jnp.where(last, r_end, r_start) if overlap else r_end
         delta_n = a[None].astype(jnp.float32) - src.astype(jnp.float32)
         if scfg.compress == "none":
-            total, e = jnp.sum(delta_n, axis=0), e
+            spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+            total = slices.sum(delta_n, jax.sharding.PartitionSpec(*spec))
         else:
             total, e = slices_lib.cast_sum(delta_n, e, scfg.compress, slices, sharding)
         (a,), (m,) = slices_lib.outer_update([a], [m], [total / slices.n], scfg)
