@@ -140,7 +140,13 @@ def side_by_side(args) -> dict:
         params, _ = ckpt.restore_model(directory, step, setup.plan, meta)
         state = setup.trainer.state_from_params(params)
         _, ours, step_s = run(setup, state, args.steps, batches)
-        sent = crossing_bytes(setup)["per_step"]
+        # what a compressed step sends (with start_step the step is a conditional whose first
+        # branch, the uncompressed one, is what crossing_bytes counts per step)
+        compressed = [o for o in over if not o.startswith("sync.start_step")]
+        sent = crossing_bytes(
+            setup if compressed == over else assemble(base, "data=2", "dp", overrides=compressed)
+        )
+        sent = sent["per_step"]
         spec = {
             "world": 2, "port": free_port(), "init": str(tmp / "hf"), "batches": str(batches_file), "steps": args.steps,
             "compress": compress, "rank": rank, "start_step": 2, "out": str(tmp / f"torch-{compress}-{rank}.json"), **TRAIN,
