@@ -179,8 +179,8 @@ def test_a_dry_run_found_in_the_persistent_cache_compiles_again_without_a_warnin
 
 
 def test_two_slices_compile_with_the_dcn_mesh_across_them():
-    """--num-slices 2: the mesh's data axis spans the slices (by slice_index); the report says
-    that the cross-slice transfers (send/recv, not collectives in the HLO) are not counted."""
+    """--num-slices 2: the mesh's data axis spans the slices (by slice_index); the cross-slice
+    transfers (send/recv, not collectives in the HLO) are counted apart, by dtype."""
     from spmd.analysis import topology
 
     devices = topology.devices("v5e:2x2", num_slices=2)
@@ -193,7 +193,15 @@ def test_two_slices_compile_with_the_dcn_mesh_across_them():
     by_data = [s.mesh.devices.take(i, axis=s.mesh.axis_names.index("data")) for i in range(2)]
     assert [{d.slice_index for d in part.flat} for part in by_data] in ([{0}, {1}], [{1}, {0}])
     r = dry_run(s)
-    assert r["notes"] == ["2 slices: transfers between slices (DCN) are not counted below"]
+    assert r["notes"] == [
+        "2 slices: transfers between slices (DCN) are not in the collectives below (see between slices)"
+    ]
+    between = r["between_slices"]
+    assert (
+        between["slices"] == 2 and between["sent_bytes_per_step"] > 0 and not between["sent_bytes_per_sync"]
+    )
+    # the gradients cross in float32 (tiny computes in float32): no less than the analytic all-reduce
+    assert between["by_dtype"]["f32"] >= between["analytic_allreduce_bytes_per_step"]
     assert r["chip_estimate"]["dcn_axes"] == ["data"]
 
 
