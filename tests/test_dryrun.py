@@ -189,7 +189,7 @@ def test_the_strategies_each_own_a_share_and_a_new_one_is_a_module(devices, tmp_
     from spmd.parallel import strategy
 
     names = [s.name for s in strategy.strategies()]
-    assert names == ["fsdp", "data", "tensor", "expert", "context", "stage"]
+    assert names == ["fsdp", "data", "tensor", "expert", "context", "stage", "sync"]
     priorities = [a.priority for s in strategy.strategies() for a in s.attributions]
     assert len(priorities) == len(set(priorities))
     r = report("data=4,tensor=2", "tp")

@@ -582,4 +582,4 @@ def slice_traffic(c, seen):
     return rule(["batch"], axes), f"across slices ({scfg.method}): {what}"
 
 
-STRATEGY = Strategy(name="sync", rank=15, attributions=(Attribution(1, "first", slice_traffic),))
+STRATEGY = Strategy(name="sync", rank=70, attributions=(Attribution(5, "first", slice_traffic),))
