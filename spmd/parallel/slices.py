@@ -277,27 +277,15 @@ class Slices:
 
     def sum(self, x_n, spec: PartitionSpec):
         """The sum of the rows `x_n` as one all-reduce over the slow axes of each device's block,
-        in its dtype (what crosses, written out; `spec`: how a row is split inside a slice)."""
+        in its dtype (what crosses, written out; `spec`: how a row is split inside a slice, () for
+        a small array each device holds whole, as PowerSGD's factors: left to the partitioner,
+        the TPU compiler failed to fuse their sum with the slicing after it, "AllReduceScatterFusion
+        not implemented", or sent the factors' inputs between slices)."""
         row = PartitionSpec(self.entry, *spec)
 
         @functools.partial(
             jax.shard_map, mesh=self.mesh, in_specs=row, out_specs=PartitionSpec(*spec), check_vma=False
         )
-        def summed(x):
-            return jax.lax.psum(x[0], self.axes)
-
-        return summed(x_n)
-
-    def psum(self, x_n):
-        """The sum of the rows of a small `x_n` (PowerSGD's factors) as one all-reduce over the
-        slow axes, each device holding its slice's row whole. Written out per device: left to
-        the partitioner, the TPU compiler either failed to fuse the sum with the slicing after it
-        ("AllReduceScatterFusion not implemented") or sent the factors' inputs between slices."""
-
-        @functools.partial(
-            jax.shard_map, mesh=self.mesh, in_specs=PartitionSpec(self.entry), out_specs=PartitionSpec(),
-            check_vma=False,
-        )  # fmt: skip
         def summed(x):
             return jax.lax.psum(x[0], self.axes)
 
@@ -473,9 +461,13 @@ def powersgd_sum(rows_n, residual_n, q, views, slices: Slices, rank: int):
         key = f"m{i:03d}"
         # The factors cross rank-major (r x rows, r x cols): a TPU lays an array's minor dimension out
         # in tiles of 128, so a rank-1 factor sent rows x 1 would travel 128 times its size.
-        p = jnp.swapaxes(slices.psum(jnp.einsum("n...rc,...ck->n...kr", m_nrc, q[key])), -1, -2)
+        p = jnp.swapaxes(
+            slices.sum(jnp.einsum("n...rc,...ck->n...kr", m_nrc, q[key]), PartitionSpec()), -1, -2
+        )
         p_hat = jnp.linalg.qr(p)[0]
-        q_sum = jnp.swapaxes(slices.psum(jnp.einsum("n...rc,...rk->n...kc", m_nrc, p_hat)), -1, -2)
+        q_sum = jnp.swapaxes(
+            slices.sum(jnp.einsum("n...rc,...rk->n...kc", m_nrc, p_hat), PartitionSpec()), -1, -2
+        )
         approx = jnp.einsum("...rk,...ck->...rc", p_hat, q_sum)  # the sum of the slices' matrices
         totals.append(v.from_matrices(approx).astype(x_n.dtype))
         residuals.append(None if e_n is None else m_n - v.from_matrices(approx / n)[None])
