@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmd.core.family import Aux, ModelFamily
+from spmd.core.family import Aux, ModelFamily, Tail
 from spmd.core.logical import constrain, is_split, provided
 from spmd.models import moe
 
@@ -151,10 +151,13 @@ class Decoder(nnx.Module):
         return logits_BTV if cache is None else (logits_BTV, cache)
 
     def forward(
-        self, tokens_BT, positions_BT=None, cache: KVCache | None = None, segment_ids_BT=None, order_BT=None
-    ):
+        self, tokens_BT, positions_BT=None, cache: KVCache | None = None, segment_ids_BT=None, order_BT=None,
+        tail: Tail | None = None,
+    ):  # fmt: skip
         """(logits, updated cache or None, Aux stacked over the layers that make it, or None).
-        segment_ids_BT, order_BT: packed documents (training); see the families' attention."""
+        segment_ids_BT, order_BT: packed documents (training); see the families' attention.
+        With a `tail` (training), its (loss, sums) in place of the logits: a pipeline may run the
+        head and the loss on each microbatch inside its schedule."""
         cfg = self.cfg
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
@@ -251,6 +254,19 @@ class Decoder(nnx.Module):
             return x_BTD, aux
 
         side = (positions_BT, segment_ids_BT, order_BT)
+        if tail is not None and cache is None and is_split("layers"):
+            loss_and_sums, aux = provided("pipeline_loss")(
+                stage_groups,
+                x_BTD,
+                xs,
+                side,
+                x_axes=RESIDUAL_AXES,
+                xs_axes=[axes for key in sorted(xs) for axes in stack_axes[key]],
+                combine_stats=Aux.of_microbatches,
+                head=lambda x_BTD: constrain(self.head(x_BTD), LOGITS_AXES),
+                tail=tail,
+            )
+            return loss_and_sums, None, aux
         if cache is None and is_split("layers"):
             # The layer stack is split over pipeline stages (spmd/parallel/pipeline.py).
             x_BTD, aux = provided("pipeline")(
@@ -275,7 +291,11 @@ class Decoder(nnx.Module):
                 positions_BS,
                 cache.index + tokens_BT.shape[1],
             )
-        return constrain(self.head(x_BTD), LOGITS_AXES), cache, aux
+        logits_BTV = constrain(self.head(x_BTD), LOGITS_AXES)
+        if tail is not None:
+            loss, sums = tail.fn(logits_BTV, tail.rows)
+            return (loss + tail.aux_loss(aux), sums), cache, aux
+        return logits_BTV, cache, aux
 
 
 def attention_flops_per_token(cfg, seq_len: int) -> float:

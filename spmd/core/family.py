@@ -92,6 +92,20 @@ class Aux(NamedTuple):
         return Aux({k: v / n for k, v in self.losses.items()}, self.sums)
 
 
+class Tail(NamedTuple):
+    """What follows the model's logits in training, handed to the model so a pipeline can run it on
+    each microbatch as it leaves the last stage (spmd/parallel/scheduled.py).
+
+    `fn(logits, rows) -> (loss, sums)`: the summed loss of some rows and additive statistics
+    (pytree); `rows`: its per-row inputs (targets, masks; leading axis the batch);
+    `aux_loss(aux) -> loss`: the term the model's auxiliary losses (an Aux, or None) add, linear
+    in them."""
+
+    fn: Callable
+    rows: object
+    aux_loss: Callable
+
+
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
     """How one of our parameters is stored in Hugging Face's files.

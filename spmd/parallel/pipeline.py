@@ -43,11 +43,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.core.errors import UserError
 from spmd.core.logical import active, rules_replaced
 from spmd.core.mesh import axes_size, spec_axes
+from spmd.parallel import scheduled
 from spmd.parallel.strategy import Attribution, Strategy, rule, squeeze
 
 STAGE_AXIS = "stage"
 
-PIPELINE_SCHEDULES = ("gpipe", "circular")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+# Schedules whose backward is scheduled with the forward (spmd/parallel/scheduled.py); the others
+# get theirs from autodiff of the forward loop.
+SCHEDULED = ("1f1b", "interleaved_1f1b")
+WITH_REPEATS = ("circular", "interleaved_1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +61,10 @@ class PipelineConfig:
     stage > 1."""
 
     microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
-    schedule: str = "gpipe"  # gpipe | circular
-    repeats: int = 1  # circular: layer groups per stage, visited round-robin (divides the bubble)
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b
+    # circular, interleaved_1f1b: layer groups (chunks) per stage, visited round-robin (divides the
+    # bubble)
+    repeats: int = 1
     # FSDP inside a stage: gather the stage's weights once per step before the schedule (and
     # reduce their gradients once after it) instead of in every pipeline iteration. Fewer bytes
     # sent; the stage's weights and their gradient sums are held unsharded over fsdp meanwhile.
@@ -65,7 +72,13 @@ class PipelineConfig:
 
     def check(self) -> list[str]:
         problems = []
-        if self.schedule not in PIPELINE_SCHEDULES:
+        if self.schedule == "zb_h1":
+            problems.append(
+                "pipeline.schedule = zb_h1 is not available: in one vmapped program every stage runs "
+                "the same pass each tick, so deferring the weight gradients would recompute the "
+                "backward; use 1f1b or interleaved_1f1b (docs/parallelism.md)"
+            )
+        elif self.schedule not in PIPELINE_SCHEDULES:
             problems.append(
                 f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}"
             )
@@ -73,10 +86,15 @@ class PipelineConfig:
             problems.append(f"pipeline.microbatches must be >= 0 (0: one per stage), got {self.microbatches}")
         if self.repeats < 1:
             problems.append(f"pipeline.repeats must be at least 1, got {self.repeats}")
-        elif self.repeats > 1 and self.schedule != "circular":
+        elif self.repeats > 1 and self.schedule not in WITH_REPEATS:
             problems.append(
-                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular (gpipe holds one "
-                f"layer group per stage)"
+                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular or "
+                f"interleaved_1f1b ({self.schedule} holds one layer group per stage)"
+            )
+        elif self.schedule == "interleaved_1f1b" and self.repeats < 2:
+            problems.append(
+                "pipeline.schedule = interleaved_1f1b needs pipeline.repeats >= 2 (with one chunk per "
+                "stage it is 1f1b)"
             )
         return problems
 
@@ -91,25 +109,45 @@ class Schedule:
     repeats: int = 1
     axes: tuple[str, ...] = (STAGE_AXIS,)
     gather_once: bool = False  # FSDP: weights gathered once per step, not per iteration
+    kind: str = ""  # the configured schedule; "" reads as gpipe or circular from `repeats`
 
     @property
     def name(self) -> str:
-        return "circular" if self.repeats > 1 else "gpipe"
+        return self.kind or ("circular" if self.repeats > 1 else "gpipe")
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the backward runs inside the schedule (spmd/parallel/scheduled.py)."""
+        return self.name in SCHEDULED
 
     @property
     def iterations(self) -> int:
+        """Forward iterations (GPipe, circular), or ticks (1F1B: forward and backward)."""
+        if self.scheduled:
+            return scheduled.Ticks(self.stages, self.microbatches, self.repeats).total
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of each stage's iterations spent idle: (S - 1) / (M R + S - 1)."""
-        return (self.stages - 1) / self.iterations
+        """Share of each stage's forward (and backward) slots spent idle: (S - 1) / (M R + S - 1),
+        for every schedule here (scheduled.py's lockstep ticks run the passes S - 1 ticks apart)."""
+        return (self.stages - 1) / (self.microbatches * self.repeats + self.stages - 1)
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatch chunks whose saved activations a stage holds at once, at most: all R M under
+        autodiff of the forward loop (which saves them for every iteration, idle ones included:
+        M R + S - 1), the residual slots of scheduled.py otherwise."""
+        if self.scheduled:
+            return scheduled.Ticks(self.stages, self.microbatches, self.repeats).slots
+        return self.iterations
 
     def describe(self) -> str:
         r = f", {self.repeats} repeats" if self.repeats > 1 else ""
         return (
             f"{self.name} over {self.stages} stages, {self.microbatches} microbatches{r}: "
-            f"bubble {self.bubble_fraction:.1%} ((S-1)/(M*R+S-1))"
+            f"bubble {self.bubble_fraction:.1%} ((S-1)/(M*R+S-1)), {self.in_flight} microbatch "
+            f"chunks in flight per stage"
         )
 
 
@@ -157,7 +195,12 @@ def schedule_for(
             f"does not split into {M} pipeline microbatches of a multiple of {dp} (the batch's mesh "
             f"axes); make it a multiple of {M * dp}, or change pipeline.microbatches"
         )
-    return Schedule(S, M, R, split, pcfg.gather_once)
+    if pcfg.schedule == "interleaved_1f1b" and M % S:
+        raise UserError(
+            f"pipeline.schedule = interleaved_1f1b runs microbatches in groups of the {S} stages: "
+            f"pipeline.microbatches ({M}) must be a multiple of {S}"
+        )
+    return Schedule(S, M, R, split, pcfg.gather_once, pcfg.schedule)
 
 
 def layer_order(groups: int, schedule: Schedule | None) -> np.ndarray | None:
@@ -187,33 +230,13 @@ def layer_rules(rules, schedule: Schedule):
     return dataclasses.replace(rules, mapping=mapping)
 
 
-def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None, schedule: Schedule):
-    """The layer stack `xs` (leaves with a leading axis of G groups, stored as `layer_order` says)
-    applied to `x_BTD` by the pipeline schedule. `layers_fn(x_bTD, xs_rows, side_rows)` runs some
-    consecutive groups on some rows and returns (x, stats stacked over the groups or None);
-    `side`: per-row inputs of the layers (positions, segment ids; leading axis B, or None);
-    `x_axes`: the residual's logical axes; `xs_axes`: each leaf's of `xs`, in
-    jax.tree.leaves order (needed by `gather_once`); `combine_stats(sums, M)`: the stats of the whole batch
-    from their sums over M microbatches. Returns (x_BTD, stats stacked over all G groups in
-    canonical order) like a scan over the stack would."""
-    rules, mesh = active()
-    S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
-    B, T, D = x_BTD.shape
-    b = B // M
+def stage_weights(xs, xs_axes, schedule: Schedule, rules, constrain):
+    """The layer stack's leaves (G, ...) as (S, R, Gps, ...): contiguous blocks, so the split over
+    `stage` stays where it is; with `gather_once`, unsplit over the batch (FSDP) axes."""
+    S, R = schedule.stages, schedule.repeats
     G = jax.tree.leaves(xs)[0].shape[0]
     Gps = G // (S * R)
-
-    def constrain(x, spec):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
     stage = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes  # a PartitionSpec entry
-    # Outside the pipeline the batch may be split over the stage axes too (the embedding, head and
-    # loss then split their rows over the stages); inside, each stage holds its microbatch's rows.
-    inner = layer_rules(rules, schedule)
-    res_spec = inner.spec(x_axes)  # (batch, seq, embed) of the residual inside the pipeline
-    x_BTD = constrain(x_BTD, res_spec)  # rows from every stage to all of them (one gather)
-
-    # (G, ...) -> (S, R, Gps, ...): contiguous blocks, so the split over `stage` stays where it is.
     w = jax.tree.map(
         lambda a: constrain(
             a.reshape(S, R, Gps, *a.shape[1:]),
@@ -234,6 +257,36 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
 
         leaves, treedef = jax.tree.flatten(w)
         w = jax.tree.unflatten(treedef, [gathered(a, axes) for a, axes in zip(leaves, xs_axes, strict=True)])
+
+    return w
+
+
+def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None, schedule: Schedule):
+    """The layer stack `xs` (leaves with a leading axis of G groups, stored as `layer_order` says)
+    applied to `x_BTD` by the pipeline schedule. `layers_fn(x_bTD, xs_rows, side_rows)` runs some
+    consecutive groups on some rows and returns (x, stats stacked over the groups or None);
+    `side`: per-row inputs of the layers (positions, segment ids; leading axis B, or None);
+    `x_axes`: the residual's logical axes; `xs_axes`: each leaf's of `xs`, in
+    jax.tree.leaves order (needed by `gather_once`); `combine_stats(sums, M)`: the stats of the whole batch
+    from their sums over M microbatches. Returns (x_BTD, stats stacked over all G groups in
+    canonical order) like a scan over the stack would."""
+    rules, mesh = active()
+    S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+    B, T, D = x_BTD.shape
+    b = B // M
+    G = jax.tree.leaves(xs)[0].shape[0]
+
+    def constrain(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    stage = schedule.axes[0] if len(schedule.axes) == 1 else schedule.axes  # a PartitionSpec entry
+    # Outside the pipeline the batch may be split over the stage axes too (the embedding, head and
+    # loss then split their rows over the stages); inside, each stage holds its microbatch's rows.
+    inner = layer_rules(rules, schedule)
+    res_spec = inner.spec(x_axes)  # (batch, seq, embed) of the residual inside the pipeline
+    x_BTD = constrain(x_BTD, res_spec)  # rows from every stage to all of them (one gather)
+
+    w = stage_weights(xs, xs_axes, schedule, rules, constrain)
 
     # Microbatch m takes rows m, m + M, m + 2M, ... (as gradient accumulation splits): the reshape
     # keeps each device's rows on that device.
@@ -323,9 +376,51 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
     return out_BTD, stats
 
 
+def loss(layers_fn, x_BTD, xs, side, *, x_axes, head, tail, xs_axes=None, combine_stats=None,
+         schedule: Schedule):  # fmt: skip
+    """(tail's (loss, sums), stats) of the layer stack, the head and the loss (`tail`, a
+    spmd.core.family.Tail) on `x_BTD`: `run`, then `head` and the tail on the whole batch (GPipe,
+    circular: autodiff gives the backward), or the scheduled forward and backward of
+    spmd/parallel/scheduled.py (1F1B). Arguments as `run`'s; `head(x_BTD) -> logits`."""
+    if not schedule.scheduled:
+        x_BTD, stats = run(layers_fn, x_BTD, xs, side, x_axes=x_axes, xs_axes=xs_axes,
+                           combine_stats=combine_stats, schedule=schedule)  # fmt: skip
+        loss, sums = tail.fn(head(x_BTD), tail.rows)
+        return (loss + tail.aux_loss(stats), sums), stats
+    rules, mesh = active()
+    S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+    G = jax.tree.leaves(xs)[0].shape[0]
+
+    def constrain(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    inner = layer_rules(rules, schedule)
+    w = stage_weights(xs, xs_axes, schedule, rules, constrain)
+    # The head and loss run on each microbatch's rows split as outside the pipeline (over the
+    # stages too) where they divide, else as inside it.
+    outer_split = axes_size(mesh.shape, [a for a in rules.mapping.get("batch", ()) if mesh.shape[a] > 1])
+    tail_rules = rules if (x_BTD.shape[0] // M) % outer_split == 0 else inner
+
+    def canonical(acc):  # (S, R, Gps, ...) -> (G, ...) in canonical order: group (r*S + s)*Gps + j
+        return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(G, *a.shape[3:]), acc)
+
+    loss, sums, stats = scheduled.loss(
+        layers_fn, x_BTD, w, side, head=head, tail=tail.fn, rows=tail.rows,
+        ticks=scheduled.Ticks(S, M, R), tail_rules=tail_rules, aux_loss=tail.aux_loss,
+        combine_stats=combine_stats or (lambda s, n: s), canonical=canonical, axes=schedule.axes,
+        res_spec=inner.spec(x_axes), inner=inner, mesh=mesh, constrain=constrain,
+    )  # fmt: skip
+    return (loss, sums), stats
+
+
 def provider(schedule: Schedule):
     """The parallel implementation the model asks for as "pipeline" (spmd.core.logical.provided)."""
     return functools.partial(run, schedule=schedule)
+
+
+def loss_provider(schedule: Schedule):
+    """... and as "pipeline_loss": the layers, head and loss together."""
+    return functools.partial(loss, schedule=schedule)
 
 
 # --- the strategy ---------------------------------------------------------------------------------

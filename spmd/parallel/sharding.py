@@ -28,7 +28,13 @@ def activate(rules, mesh, schedule: pipeline.Schedule | None = None, lowering: L
     parallel implementations it may need (the pipeline's when there is a `schedule`) and lowers as
     `lowering` says (default: the form for the mesh's platform)."""
     # the parallel implementations the strategies hand models through the seam (logical.provided)
-    ops = strategy.ops() if schedule is None else {**strategy.ops(), "pipeline": pipeline.provider(schedule)}
+    ops = strategy.ops()
+    if schedule is not None:
+        ops = {
+            **ops,
+            "pipeline": pipeline.provider(schedule),
+            "pipeline_loss": pipeline.loss_provider(schedule),
+        }
     with activation_sharding(rules, mesh, ops), lowered(lowering or Lowering.for_platform(platform_of(mesh))):
         yield
 

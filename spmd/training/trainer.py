@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.core.errors import UserError
+from spmd.core.family import Tail
 from spmd.parallel import context, dataparallel, memory
 from spmd.parallel import sharding as sharding_lib
 from spmd.parallel import slices as slices_lib
@@ -49,7 +50,7 @@ def batch_shardings(cfg, plan) -> dict:
 
 def token_losses(
     graphdef, params, batch: Batch, *, z_loss: float, mask_token_id: int, seq_perm=None, aux_weights=None,
-    fused_loss: bool = False,
+    fused_loss: bool = False, in_schedule: bool = False,
 ):  # fmt: skip
     """Sums over the batch's counted tokens: (total loss, (cross-entropy, z-loss, count, aux sums)).
 
@@ -58,7 +59,8 @@ def token_losses(
     `aux_weights`: the weight of each of the model's auxiliary losses (spmd.core.family.Aux) in the
     total; the aux sums hold each loss's mean times the count, and the model's statistics.
     `fused_loss`: the cross-entropy of spmd.training.loss (no float32 copy of the logits; the platform
-    policy's choice), else optax's on float32 logits."""
+    policy's choice), else optax's on float32 logits. `in_schedule`: the model runs the loss (its
+    Tail) itself, as a pipeline that schedules its backward does on each microbatch."""
     inputs_BT, targets_BT, positions_BT, order_BT = batch["inputs"], batch["targets"], None, None
     # Packed documents (data.packing = segments): each token's document, its position in it (for
     # RoPE), and which targets count (not the first token of a document, predicted from the one
@@ -76,31 +78,62 @@ def token_losses(
         else:
             positions_BT, segment_ids_BT = positions_BT[:, seq_perm], segment_ids_BT[:, seq_perm]
             loss_mask_BT = loss_mask_BT[:, seq_perm]
-    ce_BT, lse_BT, logits_BTV, aux = forward_ce(
-        graphdef, params, inputs_BT, targets_BT, positions_BT, segment_ids_BT, order_BT, fused_loss
-    )
-    mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(ce_BT, dtype=bool)
+    mask_BT = (targets_BT != mask_token_id) if mask_token_id >= 0 else jnp.ones_like(targets_BT, dtype=bool)
     if loss_mask_BT is not None:
         mask_BT = mask_BT & (loss_mask_BT != 0)
     mask_BT = mask_BT.astype(jnp.float32)
+    count = jnp.sum(mask_BT)
+
+    def aux_loss(aux):
+        # Auxiliary losses are means over the layers that make them; weighted by the token count
+        # like the other sums, so dividing by the count (after accumulation) leaves weight x mean.
+        weighted = None
+        for name, weight in (aux_weights or {}).items() if aux is not None else ():
+            term = weight * jnp.mean(aux.losses[name])
+            weighted = term if weighted is None else weighted + term
+        return 0.0 if weighted is None else weighted * count
+
+    tail = Tail(
+        functools.partial(row_losses, z_loss=z_loss, fused_loss=fused_loss),
+        {"targets": targets_BT, "mask": mask_BT},
+        aux_loss,
+    )
+    model = nnx.merge(graphdef, params)
+    if in_schedule:
+        (total, (ce_sum, z_sum)), _, aux = model.forward(
+            inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT, tail=tail
+        )
+    else:
+        logits_BTV, _, aux = model.forward(
+            inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
+        )
+        loss, (ce_sum, z_sum) = tail.fn(logits_BTV, tail.rows)
+        total = loss + tail.aux_loss(aux)
+    if aux is None:
+        return total, (ce_sum, z_sum, count, {})
+    means = {name: jnp.mean(v) for name, v in aux.losses.items()}
+    sums = {**{name: m * count for name, m in means.items()}, **aux.sums}
+    return total, (ce_sum, z_sum, count, sums)
+
+
+def row_losses(logits_BTV, rows, *, z_loss: float, fused_loss: bool):
+    """(cross-entropy + z-loss, (cross-entropy, z-loss)) summed over the counted tokens of some rows
+    (`rows`: targets, and the float mask of the tokens that count)."""
+    targets_BT, mask_BT = rows["targets"], rows["mask"]
+    ce_BT, lse_BT = cross_entropies(logits_BTV, targets_BT, fused_loss)
     ce_sum = jnp.sum(ce_BT * mask_BT)
     z_sum = jnp.zeros((), jnp.float32)
     if z_loss:
-        lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1) if lse_BT is None else lse_BT
+        lse_BT = jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1) if lse_BT is None else lse_BT
         z_sum = z_loss * jnp.sum(jnp.square(lse_BT) * mask_BT)
-    count = jnp.sum(mask_BT)
-    if aux is None:
-        return ce_sum + z_sum, (ce_sum, z_sum, count, {})
-    # Auxiliary losses are means over the layers that make them; weighted by the token count like
-    # the other sums, so dividing by the count (after accumulation) leaves weight x mean.
-    means = {name: jnp.mean(v) for name, v in aux.losses.items()}
-    weighted = None
-    for name, weight in (aux_weights or {}).items():
-        term = weight * means[name]
-        weighted = term if weighted is None else weighted + term
-    sums = {**{name: m * count for name, m in means.items()}, **aux.sums}
-    total = ce_sum + z_sum + (weighted * count if weighted is not None else 0.0)
-    return total, (ce_sum, z_sum, count, sums)
+    return ce_sum + z_sum, (ce_sum, z_sum)
+
+
+def cross_entropies(logits_BTV, targets_BT, fused_loss: bool):
+    """(cross-entropy (B, T) float32, its logsumexp or None); `fused_loss`: see token_losses."""
+    if fused_loss:
+        return cross_entropy(logits_BTV, targets_BT)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT), None
 
 
 def forward_ce(graphdef, params, inputs_BT, targets_BT, positions_BT, segment_ids_BT, order_BT, fused_loss):
@@ -109,11 +142,8 @@ def forward_ce(graphdef, params, inputs_BT, targets_BT, positions_BT, segment_id
     logits_BTV, _, aux = nnx.merge(graphdef, params).forward(
         inputs_BT, positions_BT, segment_ids_BT=segment_ids_BT, order_BT=order_BT
     )
-    if fused_loss:
-        ce_BT, lse_BT = cross_entropy(logits_BTV, targets_BT)
-        return ce_BT, lse_BT, logits_BTV, aux
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT), None, logits_BTV, aux
+    ce_BT, lse_BT = cross_entropies(logits_BTV, targets_BT, fused_loss)
+    return ce_BT, lse_BT, logits_BTV, aux
 
 
 def preference_losses(
@@ -447,6 +477,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     seq_perm = context.seq_permutation(plan.rules, mesh, tcfg.seq_len)
     family = plan.family
     aux_weights = family.aux_weights(cfg.model)
+    # 1F1B: the loss runs inside the pipeline's schedule (spmd/parallel/scheduled.py)
+    in_schedule = plan.schedule is not None and plan.schedule.scheduled
 
     def losses_of(params, batch, frozen=None, key=None, reference=None):
         with partition.step_context(key):
@@ -459,7 +491,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
             return token_losses(
                 graphdef, params if frozen is None else transform.combine(params, frozen), batch,
                 z_loss=tcfg.z_loss, mask_token_id=cfg.data.mask_token_id, seq_perm=seq_perm,
-                aux_weights=aux_weights, fused_loss=choices.fused_loss,
+                aux_weights=aux_weights, fused_loss=choices.fused_loss, in_schedule=in_schedule,
             )  # fmt: skip
 
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *plan.batch_sharding.spec))

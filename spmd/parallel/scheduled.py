@@ -1,0 +1,309 @@
+"""The pipeline's scheduled backward: 1F1B and interleaved 1F1B as one program over `stage`.
+
+GPipe and circular (spmd/parallel/pipeline.py) get their backward from autodiff of the forward
+loop, so the backward starts after the last microbatch's forward and each stage keeps what its
+remat policy saves for every microbatch. Here the loss is part of the schedule: the output head
+and the loss run on each microbatch as it leaves the last stage, and every tick each stage runs one
+forward and one backward of the microbatches in front of it (a per-stage `jax.vjp`, its residuals
+kept in a ring of slots until that microbatch's backward comes round). A stage then holds at most
+2 R S - 1 microbatches' residuals (chunk-sized when R > 1) whatever M is.
+
+Lockstep: every stage runs the same pass in the same tick (one `vmap` over the stage axis, as
+pipeline.py explains), so a tick costs one forward and one backward of a chunk whichever stages
+have work. Microbatches go through in groups of S; within a group microbatch j = m mod S of group
+g = m div S visits chunk r of stage s (the canonical virtual stage v = r S + s)
+
+    forward  at tick  g S R + r S + j + s
+    backward at tick  g S R + (2R - 2 - r) S + j + 2S - 2 - s
+
+so a microbatch leaving stage S-1 reaches stage 0 (its next chunk) in the next tick, its gradient
+leaving stage 0 reaches stage S-1 in the next, and no stage has two forwards or two backwards in a
+tick. With R = 1 this is 1F1B: forward of m at tick m + s, its loss at tick m + S - 1 on the last
+stage, its backward at tick m + 2S - 2 - s. Ticks: R M + R S + S - 2, in three phases: warm-up (R S
+- 1 ticks, forwards only), steady (R (M - S) + S ticks, forward, loss and backward), cool-down (R S
+- 1 ticks, backwards only). Each stage does R M forwards and R M backwards of a chunk in R M + S - 1
+ticks of each pass: the bubble is (S - 1) / (R M + S - 1), GPipe's and circular's.
+
+The whole schedule is one `jax.custom_vjp` whose forward computes the loss and every gradient (the
+layers', the head's, and the stage-0 input's, which autodiff carries back into the embedding); its
+backward scales them by the loss's cotangent. The loss it returns is the sum of the tail's per
+microbatch losses plus `aux_loss` of the layers' statistics; `aux_loss` must be linear in them (the
+trainer's weighted auxiliary losses are), so its gradient is a constant fed to every backward.
+
+Legend: S stages, R chunks (repeats) per stage, M microbatches, K residual slots, b rows per
+microbatch, T sequence, D embed.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from spmd.core.logical import rules_replaced
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticks:
+    """The tick plan of a scheduled pipeline: S stages, M microbatches, R chunks per stage."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+
+    @property
+    def total(self) -> int:
+        S, M, R = self.stages, self.microbatches, self.repeats
+        return R * M + R * S + S - 2
+
+    @property
+    def warmup(self) -> int:
+        """Ticks before the first backward (forwards only)."""
+        return self.repeats * self.stages - 1
+
+    @property
+    def steady_end(self) -> int:
+        """The first tick with no forward."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def slots(self) -> int:
+        """Residual slots per stage: the most microbatch chunks one stage holds between their
+        forward and their backward (2 R S - 1 for stage 0's first chunk), or all R M if fewer."""
+        S, M, R = self.stages, self.microbatches, self.repeats
+        return min(2 * R * S - 1, R * M)
+
+    def _split(self, k):
+        S, R = self.stages, self.repeats
+        g, within = k // (S * R), k % (S * R)
+        return g * S + within % S, within // S  # microbatch, chunk
+
+    def forward(self, t, s):
+        """(valid, microbatch, chunk, index) of stage s's forward at tick t; `index` counts the
+        stage's forwards (its residual slot is index mod K)."""
+        k = t - s
+        m, r = self._split(k)
+        return (k >= 0) & (k < self.repeats * self.microbatches), m, r, k
+
+    def backward(self, t, s):
+        """(valid, microbatch, chunk, forward index) of stage s's backward at tick t."""
+        S, R = self.stages, self.repeats
+        u = t - (2 * S - 2 - s) - (R - 1) * S  # g S R + (R - 1 - r) S + j
+        g, within = u // (S * R), u % (S * R)
+        m, r = g * S + within % S, R - 1 - within // S
+        k = g * S * R + r * S + within % S  # the index of the forward it undoes
+        return (u >= 0) & (u < R * self.microbatches), m, r, k
+
+
+def _where(mask_S, new, old):
+    return jnp.where(mask_S.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+
+
+def loss(layers_fn, x_BTD, w, side, *, head, tail, rows, ticks: Ticks, tail_rules, **kw):
+    """(loss, tail sums, combined stats) of the schedule, differentiable (module doc) in `x_BTD`,
+    `w` and the parameters `head` closes over.
+
+    `layers_fn(x_bTD, w_chunk, side_rows) -> (x, stats or None)`: one chunk of a stage; `w`: leaves
+    (S, R, Gps, ...); `side`: per-row layer inputs (leading B); `head(x_bTD) -> logits`;
+    `tail(logits, rows) -> (loss, sums)` with `rows` per-row (leading B); `aux_loss(stats) -> loss`,
+    linear, of `combine_stats(canonical(stats sums), M)`. The sums and statistics are metrics: no
+    gradient flows back from them."""
+    b = x_BTD.shape[0] // ticks.microbatches
+    y_example = jax.ShapeDtypeStruct((b, *x_BTD.shape[1:]), x_BTD.dtype)
+    with rules_replaced(tail_rules):
+        head_pure, head_consts = jax.closure_convert(head, y_example)
+
+    def run(x_BTD, w, head_consts):
+        return _schedule(
+            layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, **kw
+        )
+
+    @jax.custom_vjp
+    def scheduled(x_BTD, w, head_consts):
+        return run(x_BTD, w, head_consts)[0]
+
+    def scheduled_fwd(x_BTD, w, head_consts):
+        return run(x_BTD, w, head_consts)
+
+    def scheduled_bwd(grads, cotangents):
+        g_loss = cotangents[0]
+        return jax.tree.map(lambda g: (g_loss * g).astype(g.dtype), grads)
+
+    scheduled.defvjp(scheduled_fwd, scheduled_bwd)
+    return scheduled(x_BTD, w, head_consts)
+
+
+def _schedule(
+    layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, *, aux_loss,
+    combine_stats, canonical, axes, res_spec, inner, mesh, constrain,
+):  # fmt: skip
+    S, M, R = ticks.stages, ticks.microbatches, ticks.repeats
+    K = ticks.slots
+    B, T, D = x_BTD.shape
+    b = B // M
+    stage_S = jnp.arange(S)
+
+    def microbatches(x_B):  # microbatch m: rows m, m + M, ... (as gradient accumulation splits)
+        return x_B.reshape(b, M, *x_B.shape[1:]).swapaxes(0, 1)
+
+    side_M = jax.tree.map(microbatches, side)
+    rows_M = jax.tree.map(microbatches, rows)
+    y_example = jax.ShapeDtypeStruct((b, T, D), x_BTD.dtype)
+
+    def tail_loss(consts, y_bTD, rows_b):
+        with rules_replaced(tail_rules):
+            return tail(head_pure(y_bTD, *consts), rows_b)
+
+    def stage_fwd(x_bTD, w_c, side_b):
+        """One chunk forward: (output, stats, residual leaves that are not the weights or side
+        inputs, which of the pullback's leaves are those)."""
+        (out, stats), pullback = jax.vjp(lambda x, w_: layers_fn(x, w_, side_b), x_bTD, w_c)
+        leaves, treedef = jax.tree.flatten(pullback)
+        known = jax.tree.leaves((w_c, side_b))
+        refs = [next((i for i, a in enumerate(known) if a is leaf), None) for leaf in leaves]
+        stage_fwd.layout = treedef, refs
+        return out, stats, [leaf for leaf, ref in zip(leaves, refs, strict=True) if ref is None]
+
+    def per_stage_fwd(x_SbTD, w_S, side_S):
+        with rules_replaced(inner):
+            return jax.vmap(stage_fwd, spmd_axis_name=axes)(x_SbTD, w_S, side_S)
+
+    def per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S):
+        treedef, refs = stage_fwd.layout
+
+        def one(res, w_c, side_b, g, g_stats):
+            known, stored = jax.tree.leaves((w_c, side_b)), iter(res)
+            leaves = [next(stored) if ref is None else known[ref] for ref in refs]
+            return jax.tree.unflatten(treedef, leaves)((g, g_stats))
+
+        with rules_replaced(inner):
+            return jax.vmap(one, spmd_axis_name=axes)(res_S, w_S, side_S, g_SbTD, g_stats_S)
+
+    def chunk_of(w, r_S):
+        return jax.tree.map(lambda a: a[:, 0], w) if R == 1 else jax.vmap(
+            lambda ws, r: jax.tree.map(lambda a: a[r], ws))(w, r_S)  # fmt: skip
+
+    def rotate(x_S, shift):
+        perm = [(i, (i + shift) % S) for i in range(S)]
+
+        @jax.shard_map(mesh=mesh, in_specs=PartitionSpec(axes), out_specs=PartitionSpec(axes),
+                       axis_names=set(axes))  # fmt: skip
+        def permute(x):
+            return jax.lax.ppermute(x, axes, perm)
+
+        return permute(x_S)
+
+    # Shapes of the residual ring, the statistics and their sums (one chunk of microbatch 0).
+    w0 = chunk_of(w, jnp.zeros(S, jnp.int32))
+    side0 = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (S, *a.shape[1:])), side_M)
+    x0 = jnp.zeros((S, b, T, D), x_BTD.dtype)
+    _, stats0, res0 = jax.eval_shape(per_stage_fwd, x0, w0, side0)
+    res_ring = [jnp.zeros((S, K, *r.shape[1:]), r.dtype) for r in res0]
+    stats_acc = jax.tree.map(lambda s: jnp.zeros((S, R, *s.shape[1:]), s.dtype), stats0)
+    # The gradient of the (linear) auxiliary loss in each microbatch's statistics: a constant.
+    stats_ct = None
+    if stats0 is not None:
+        stats_ct = jax.grad(lambda acc: aux_loss(combine_stats(canonical(acc), M)))(
+            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_acc)
+        )
+        stats_ct = jax.tree.map(lambda c, s: c.astype(s.dtype), stats_ct, stats_acc)
+
+    x_MbTD = microbatches(constrain(x_BTD, res_spec))
+    tail_shapes = jax.eval_shape(tail_loss, head_consts, y_example, jax.tree.map(lambda a: a[0], rows_M))
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
+    stage_spec = PartitionSpec(axes, *res_spec)
+
+    def body(carry, t, *, fwd: bool, bwd: bool):
+        c = dict(carry)
+        if fwd:
+            valid_S, m_S, r_S, k_S = ticks.forward(t, stage_S)
+            first_bTD = x_MbTD[jnp.clip(m_S[0], 0, M - 1)]
+            from_input_S = (stage_S == 0) & (r_S == 0)
+            in_SbTD = _where(from_input_S, jnp.broadcast_to(first_bTD, c["state_f"].shape), c["state_f"])
+            w_S = chunk_of(w, jnp.clip(r_S, 0, R - 1))
+            side_S = jax.tree.map(lambda a: a[jnp.clip(m_S, 0, M - 1)], side_M)
+            out_SbTD, stats_S, res_S = per_stage_fwd(in_SbTD, w_S, side_S)
+            slot_S = jnp.mod(k_S, K)
+            c["ring"] = [
+                jax.vmap(lambda ring, x, i, v: jnp.where(v, ring.at[i].set(x), ring))(
+                    ring, x, slot_S, valid_S
+                )
+                for ring, x in zip(c["ring"], res_S, strict=True)
+            ]
+            if stats_S is not None:
+                c["stats"] = jax.tree.map(
+                    lambda acc, s: jax.vmap(lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(
+                        acc, s, jnp.clip(r_S, 0, R - 1), valid_S),
+                    c["stats"], stats_S,
+                )  # fmt: skip
+            c["state_f"] = constrain(rotate(out_SbTD, 1), stage_spec)
+        if bwd:
+            # The loss of the microbatch leaving the last stage's last chunk in this tick.
+            tail_valid, m_t, r_t, _ = ticks.forward(t, S - 1)
+            tail_valid = tail_valid & (r_t == R - 1)
+            m_t = jnp.clip(m_t, 0, M - 1)
+            g_y = jnp.zeros((b, T, D), x_BTD.dtype)
+            if fwd:
+                y_bTD = out_SbTD[S - 1]
+                rows_b = jax.tree.map(lambda a: a[m_t], rows_M)
+
+                def live(y_bTD):
+                    (loss, sums), pull = jax.vjp(lambda h, y: tail_loss(h, y, rows_b), head_consts, y_bTD)
+                    g_head, g_y = pull((jnp.ones_like(loss), zeros(sums)))
+                    return loss, sums, g_head, g_y
+
+                def idle(y_bTD):
+                    return (jnp.zeros(tail_shapes[0].shape, tail_shapes[0].dtype), zeros(tail_shapes[1]),
+                            zeros(head_consts), jnp.zeros_like(y_bTD))  # fmt: skip
+
+                loss, sums, g_head, g_y = (
+                    jax.lax.cond(tail_valid, live, idle, y_bTD) if R > 1 else live(y_bTD)
+                )
+                c["loss"] = c["loss"] + loss
+                c["sums"] = jax.tree.map(jnp.add, c["sums"], sums)
+                c["g_head"] = jax.tree.map(jnp.add, c["g_head"], g_head)
+            valid_S, m_S, r_S, k_S = ticks.backward(t, stage_S)
+            r_S = jnp.clip(r_S, 0, R - 1)
+            from_loss_S = (stage_S == S - 1) & (r_S == R - 1)
+            g_SbTD = _where(from_loss_S, jnp.broadcast_to(g_y, c["state_b"].shape), c["state_b"])
+            slot_S = jnp.mod(k_S, K)
+            res_S = [jax.vmap(lambda ring, i: ring[i])(ring, slot_S) for ring in c["ring"]]
+            w_S = chunk_of(w, r_S)
+            side_S = jax.tree.map(lambda a: a[jnp.clip(m_S, 0, M - 1)], side_M)
+            g_stats_S = None if stats_ct is None else jax.tree.map(
+                lambda ct: jax.vmap(lambda a, r: a[r])(ct, r_S), stats_ct)  # fmt: skip
+            g_in_SbTD, g_w_S = per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S)
+            c["g_w"] = jax.tree.map(
+                lambda acc, g: jax.vmap(lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(
+                    acc, g, r_S, valid_S),
+                c["g_w"], g_w_S,
+            )  # fmt: skip
+            # Stage 0's first chunk gives the gradient of the pipeline's input.
+            m0 = jnp.clip(m_S[0], 0, M - 1)
+            done = valid_S[0] & (r_S[0] == 0)
+            c["g_x"] = c["g_x"].at[m0].set(jnp.where(done, g_in_SbTD[0], c["g_x"][m0]))
+            c["state_b"] = constrain(rotate(g_in_SbTD, -1), stage_spec)
+        return c, None
+
+    carry = {
+        "state_f": constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), stage_spec),
+        "state_b": constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), stage_spec),
+        "ring": res_ring,
+        "stats": stats_acc,
+        "g_w": jax.tree.map(jnp.zeros_like, w),
+        "g_x": jnp.zeros((M, b, T, D), x_BTD.dtype),
+        "loss": jnp.zeros(tail_shapes[0].shape, tail_shapes[0].dtype),
+        "sums": zeros(tail_shapes[1]),
+        "g_head": zeros(head_consts),
+    }
+    phases = [(0, ticks.warmup, True, False), (ticks.warmup, ticks.steady_end, True, True),
+              (ticks.steady_end, ticks.total, False, True)]  # fmt: skip
+    for start, stop, fwd, bwd in phases:
+        if stop > start:
+            carry, _ = jax.lax.scan(
+                lambda c, t, fwd=fwd, bwd=bwd: body(c, t, fwd=fwd, bwd=bwd), carry, jnp.arange(start, stop)
+            )
+    stats = None if stats0 is None else combine_stats(canonical(carry["stats"]), M)
+    loss = carry["loss"] + (aux_loss(stats) if stats is not None else 0.0)
+    g_x_BTD = carry["g_x"].swapaxes(0, 1).reshape(B, T, D)
+    return (loss, carry["sums"], stats), (g_x_BTD, carry["g_w"], carry["g_head"])
