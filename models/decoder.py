@@ -254,30 +254,22 @@ class Decoder(nnx.Module):
             return x_BTD, aux
 
         side = (positions_BT, segment_ids_BT, order_BT)
-        if tail is not None and cache is None and is_split("layers"):
-            loss_and_sums, aux = provided("pipeline_loss")(
-                stage_groups,
-                x_BTD,
-                xs,
-                side,
-                x_axes=RESIDUAL_AXES,
-                xs_axes=[axes for key in sorted(xs) for axes in stack_axes[key]],
-                combine_stats=Aux.of_microbatches,
-                head=lambda x_BTD: constrain(self.head(x_BTD), LOGITS_AXES),
-                tail=tail,
-            )
-            return loss_and_sums, None, aux
-        if cache is None and is_split("layers"):
-            # The layer stack is split over pipeline stages (spmd/parallel/pipeline.py).
-            x_BTD, aux = provided("pipeline")(
-                stage_groups,
-                x_BTD,
-                xs,
-                side,
+        piped = cache is None and is_split("layers")
+        if piped:
+            # The layer stack is split over pipeline stages (spmd/parallel/pipeline.py); with a
+            # tail, the pipeline runs the head and the loss too.
+            pipe = dict(
                 x_axes=RESIDUAL_AXES,
                 xs_axes=[axes for key in sorted(xs) for axes in stack_axes[key]],
                 combine_stats=Aux.of_microbatches,
             )
+            if tail is not None:
+                head = lambda x_BTD: constrain(self.head(x_BTD), LOGITS_AXES)  # noqa: E731
+                loss_and_sums, aux = provided("pipeline_loss")(
+                    stage_groups, x_BTD, xs, side, head=head, tail=tail, **pipe
+                )
+                return loss_and_sums, None, aux
+            x_BTD, aux = provided("pipeline")(stage_groups, x_BTD, xs, side, **pipe)
         else:
             (x_BTD, kv_LG), aux = run_groups(x_BTD, kv_LG, xs, side)
         if per_layer:
