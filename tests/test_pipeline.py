@@ -1,9 +1,10 @@
-"""Pipeline parallelism over `stage` (spmd/parallel/pipeline.py): GPipe and circular schedules train like
-one device, checkpoints move in and out of a pipeline in canonical layer order, and the compiled
-step sends and computes what the schedule says."""
+"""Pipeline parallelism over `stage` (spmd/parallel/pipeline.py, scheduled.py): GPipe, circular, 1F1B
+and interleaved 1F1B train like one device, checkpoints move in and out of a pipeline in canonical
+layer order, and the compiled step sends, computes and holds what the schedule says."""
 
 import json
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -18,6 +19,9 @@ from spmd.core.rules import load_rules
 from spmd.parallel.pipeline import layer_order
 
 DEEP = ["model.n_layers=8"]
+RULES = pathlib.Path(__file__).parent / "fixtures" / "rules"
+ONE_F_ONE_B = ["pipeline.schedule=1f1b"]
+INTERLEAVED = ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]
 
 
 def _n_devices(mesh: str) -> int:
@@ -46,7 +50,27 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("rules,mesh,overrides", LAYOUTS, ids=[f"{r}-{m}-{o[0]}" for r, m, o in LAYOUTS])
+# The scheduled backward (1F1B, interleaved): with FSDP and tensor parallelism, data parallelism,
+# ring attention, ZeRO-1 under gradient accumulation; each remat policy.
+LAYOUTS += [
+    ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*ONE_F_ONE_B, "pipeline.microbatches=4"]),
+    ("pp", "stage=4,data=2", [*INTERLEAVED, "pipeline.microbatches=4", "model.remat=save_dots"]),
+    (
+        str(RULES / "pp_cp_ring.toml"),
+        "stage=2,context=2",
+        [*ONE_F_ONE_B, "pipeline.microbatches=2", "model.remat=full"],
+    ),  # fmt: skip
+    (
+        str(RULES / "pp_zero1.toml"),
+        "stage=2,data=2",
+        [*INTERLEAVED, "pipeline.microbatches=2", "train.microbatches=2"],
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(
+    "rules,mesh,overrides", LAYOUTS, ids=[f"{pathlib.Path(r).stem}-{m}-{o[0]}" for r, m, o in LAYOUTS]
+)
 def test_pipeline_trains_like_one_device(deep_single, devices, rules, mesh, overrides):
     ref_losses, ref_params, _ = deep_single
     cfg = load_config("tiny", DEEP + overrides)
@@ -59,16 +83,45 @@ def test_pipeline_trains_like_one_device(deep_single, devices, rules, mesh, over
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(devices):
+@pytest.fixture(scope="module")
+def moe_single(devices):
+    """`tiny-moe` (4 layers, dropless experts) on one device with 2 accumulation microbatches."""
+    cfg = load_config("tiny-moe", ["model.n_layers=4", "moe.dispatch=dropless", "train.microbatches=2"])
+    return run_training(cfg, "", "fsdp", 10, devices[:1])
+
+
+MOE_LAYOUTS = [
+    ("pp_fsdp", "stage=2,fsdp=4", []),
+    # 1F1B with the experts split over expert (the dropless all-to-all inside a stage)
+    (str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2", ONE_F_ONE_B),
+]
+
+
+@pytest.mark.parametrize("rules,mesh,overrides", MOE_LAYOUTS, ids=["gpipe-fsdp", "1f1b-expert"])
+def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
+    moe_single, devices, rules, mesh, overrides
+):
     """An MoE model's pipeline microbatches route (and balance) their tokens apart, as gradient
-    accumulation's do: the reference is one device with train.microbatches = M."""
-    moe = ["model.n_layers=4"]
-    ref_losses, ref_params, _ = run_training(
-        load_config("tiny-moe", [*moe, "train.microbatches=2"]), "", "fsdp", 10, devices[:1]
+    accumulation's do: the reference is one device with train.microbatches = M. Under 1F1B the
+    auxiliary losses' gradient enters every microbatch's backward inside the schedule."""
+    ref_losses, ref_params, _ = moe_single
+    cfg = load_config(
+        "tiny-moe", ["model.n_layers=4", "moe.dispatch=dropless", "pipeline.microbatches=2", *overrides]
     )
-    cfg = load_config("tiny-moe", [*moe, "pipeline.microbatches=2"])
-    losses, params, trainer = run_training(cfg, "stage=2,fsdp=4", "pp_fsdp", 10, devices)
+    losses, params, trainer = run_training(cfg, mesh, rules, 10, devices)
     assert trainer.plan.schedule.stages == 2
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_lora_under_1f1b_trains_like_lora_on_one_device(devices):
+    """Only the adapters train; the schedule's gradients of the frozen base are not taken."""
+    lora = [*DEEP, "lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2"]
+    ref_losses, ref_params, _ = run_training(load_config("tiny", lora), "", "fsdp", 4, devices[:1])
+    cfg = load_config("tiny", [*lora, *ONE_F_ONE_B, "pipeline.microbatches=2"])
+    losses, params, trainer = run_training(cfg, "stage=2,fsdp=2", "pp_fsdp", 4, devices[:4])
+    assert trainer.plan.schedule.name == "1f1b"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -88,8 +141,8 @@ def _records(run_dir):
 
 
 def test_checkpoint_moves_out_of_and_into_a_pipeline(tmp_path, deep_single):
-    """Circular stage=4 -> fsdp=8 (no pipeline) -> GPipe stage=2 with tensor: the moved run continues
-    with the unmoved run's losses (checkpoints hold the canonical layer order)."""
+    """Circular stage=4 -> fsdp=8 (no pipeline) -> interleaved 1F1B stage=2 with tensor: the moved
+    run continues with the unmoved run's losses (checkpoints hold the canonical layer order)."""
     ref_losses = deep_single[0]
     common = ["--config", "tiny", "--host-devices", "8", "--set", "model.n_layers=8", "--set",
               "optimizer.schedule_steps=40", "--set", "checkpoint.every=2", "--log-every", "1"]  # fmt: skip
@@ -108,7 +161,19 @@ def test_checkpoint_moves_out_of_and_into_a_pipeline(tmp_path, deep_single):
             2,
         ),  # fmt: skip
         ("fsdp=8", "fsdp", [], 4),
-        ("stage=2,tensor=2,data=2", "pp_fsdp_tp", ["--set", "pipeline.microbatches=2"], 6),
+        (
+            "stage=2,tensor=2,data=2",
+            "pp_fsdp_tp",
+            [
+                "--set",
+                "pipeline.microbatches=2",
+                "--set",
+                "pipeline.schedule=interleaved_1f1b",
+                "--set",
+                "pipeline.repeats=2",
+            ],
+            6,
+        ),  # fmt: skip
     ]
     losses, previous = {}, None
     for i, (mesh, rules, extra, steps) in enumerate(legs):

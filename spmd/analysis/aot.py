@@ -44,12 +44,24 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     return strategy.analytic_minimum(cfg, plan)
 
 
-def pipeline_report(plan, rows) -> dict | None:
-    """The schedule, its bubble fraction ((S-1)/(M R + S-1)) and what the compiled step sends
-    between stages (collective-permutes over the stage axes), or None without a pipeline."""
+def pipeline_report(plan, rows, items) -> dict | None:
+    """The schedule, its bubble fraction ((S-1)/(M R + S-1)) analytic and counted, the microbatch
+    chunks a stage holds at once, and what the compiled step sends between stages
+    (collective-permutes over the stage axes), or None without a pipeline.
+
+    Counted: every tick of the forward pass and of the backward pass moves one microbatch chunk
+    to the next (previous) stage by one collective-permute of the stage axes (the schedule's
+    rotation, `ppermute`), so their executions in the compiled step, loop trip counts multiplied
+    in, are the ticks each pass took; R M of them per pass did work."""
     schedule = plan.schedule
     if schedule is None:
         return None
+    ticks = sum(
+        c.count
+        for c in items
+        if c.kind == "collective-permute" and set(c.axes) <= set(schedule.axes) and "ppermute" in c.op_name
+    )
+    useful = 2 * schedule.repeats * schedule.microbatches
     permute = sum(
         r["volume_bytes"]
         for r in rows
@@ -67,6 +79,9 @@ def pipeline_report(plan, rows) -> dict | None:
         "repeats": schedule.repeats,
         "iterations": schedule.iterations,
         "bubble_fraction": schedule.bubble_fraction,
+        "ticks_counted": ticks,
+        "bubble_counted": 1 - useful / ticks if ticks else None,
+        "in_flight": schedule.in_flight,
         "collective_permute_bytes": permute,
         "other_stage_bytes": other,
     }
@@ -353,7 +368,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         # Attention is the model's only Pallas kernel: its launches per step, and per layer.
         "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
         "kernel_calls_per_layer": calls / figures.n_layers,
-        "pipeline": pipeline_report(plan, rows),
+        "pipeline": pipeline_report(plan, rows, items),
         "between_slices": between_slices(setup, text, slices),
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),

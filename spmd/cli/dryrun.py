@@ -129,7 +129,14 @@ def print_report(r: dict) -> None:
         print(
             f"pipeline: {pp['schedule']}, {pp['stages']} stages x {pp['microbatches']} microbatches"
             + (f" x {pp['repeats']} repeats" if pp["repeats"] > 1 else "")
-            + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = (S-1)/(M*R+S-1)\n"
+            + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = (S-1)/(M*R+S-1)"
+            + (
+                f" (counted in the compiled step: {pp['bubble_counted']:.1%} of {pp['ticks_counted']} "
+                f"pass-ticks)"
+                if pp["bubble_counted"] is not None
+                else ""
+            )
+            + f"\n  microbatch chunks in flight per stage: at most {pp['in_flight']}\n"
             f"  sent to the next stage (collective-permutes): {fmt_bytes(pp['collective_permute_bytes'])} "
             f"per device; other collectives over stage: {fmt_bytes(pp['other_stage_bytes'])}\n"
         )

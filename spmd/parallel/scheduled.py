@@ -113,28 +113,34 @@ def loss(layers_fn, x_BTD, w, side, *, head, tail, rows, ticks: Ticks, tail_rule
     with rules_replaced(tail_rules):
         head_pure, head_consts = jax.closure_convert(head, y_example)
 
-    def run(x_BTD, w, head_consts):
+    def run(x_BTD, w, head_consts, trained):
         return _schedule(
-            layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, **kw
+            layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, trained, **kw
         )
 
     @jax.custom_vjp
     def scheduled(x_BTD, w, head_consts):
-        return run(x_BTD, w, head_consts)[0]
+        return run(x_BTD, w, head_consts, None)[0]
 
     def scheduled_fwd(x_BTD, w, head_consts):
-        return run(x_BTD, w, head_consts)
+        # Only the layer weights that are differentiated (not a frozen base under LoRA) get a
+        # backward and a gradient buffer.
+        values = lambda tree: jax.tree.map(lambda p: p.value, tree)  # noqa: E731
+        trained = [p.perturbed for p in jax.tree.leaves(w)]
+        return run(values(x_BTD), values(w), values(head_consts), trained)
 
     def scheduled_bwd(grads, cotangents):
         g_loss = cotangents[0]
-        return jax.tree.map(lambda g: (g_loss * g).astype(g.dtype), grads)
+        g_x, g_w, g_head = jax.tree.map(lambda g: (g_loss * g).astype(g.dtype), grads)
+        # g_w: one entry per leaf of w, None (a zero) where it is not differentiated
+        return g_x, jax.tree.unflatten(jax.tree.structure(w), g_w), g_head
 
-    scheduled.defvjp(scheduled_fwd, scheduled_bwd)
+    scheduled.defvjp(scheduled_fwd, scheduled_bwd, symbolic_zeros=True)
     return scheduled(x_BTD, w, head_consts)
 
 
 def _schedule(
-    layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, *, aux_loss,
+    layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, trained, *, aux_loss,
     combine_stats, canonical, axes, res_spec, inner, mesh, constrain,
 ):  # fmt: skip
     S, M, R = ticks.stages, ticks.microbatches, ticks.repeats
@@ -154,10 +160,22 @@ def _schedule(
         with rules_replaced(tail_rules):
             return tail(head_pure(y_bTD, *consts), rows_b)
 
+    w_leaves, w_def = jax.tree.flatten(w)
+    trained = [False] * len(w_leaves) if trained is None else trained
+
     def stage_fwd(x_bTD, w_c, side_b):
         """One chunk forward: (output, stats, residual leaves that are not the weights or side
-        inputs, which of the pullback's leaves are those)."""
-        (out, stats), pullback = jax.vjp(lambda x, w_: layers_fn(x, w_, side_b), x_bTD, w_c)
+        inputs); the pullback's structure and which of its leaves are those in `stage_fwd.layout`.
+        The pullback gives the input's gradient and the trained weights'."""
+        w_all = jax.tree.leaves(w_c)
+
+        def f(x, w_trained):
+            it = iter(w_trained)
+            full = [next(it) if t else a for a, t in zip(w_all, trained, strict=True)]
+            return layers_fn(x, jax.tree.unflatten(w_def, full), side_b)
+
+        w_trained = [a for a, t in zip(w_all, trained, strict=True) if t]
+        (out, stats), pullback = jax.vjp(f, x_bTD, w_trained)
         leaves, treedef = jax.tree.flatten(pullback)
         known = jax.tree.leaves((w_c, side_b))
         refs = [next((i for i, a in enumerate(known) if a is leaf), None) for leaf in leaves]
@@ -273,11 +291,12 @@ def _schedule(
             g_stats_S = None if stats_ct is None else jax.tree.map(
                 lambda ct: jax.vmap(lambda a, r: a[r])(ct, r_S), stats_ct)  # fmt: skip
             g_in_SbTD, g_w_S = per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S)
-            c["g_w"] = jax.tree.map(
-                lambda acc, g: jax.vmap(lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(
-                    acc, g, r_S, valid_S),
-                c["g_w"], g_w_S,
-            )  # fmt: skip
+            g_w_S = iter(g_w_S)
+            c["g_w"] = [
+                None if acc is None else jax.vmap(
+                    lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(acc, next(g_w_S), r_S, valid_S)
+                for acc in c["g_w"]
+            ]  # fmt: skip
             # Stage 0's first chunk gives the gradient of the pipeline's input.
             m0 = jnp.clip(m_S[0], 0, M - 1)
             done = valid_S[0] & (r_S[0] == 0)
@@ -290,7 +309,7 @@ def _schedule(
         "state_b": constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), stage_spec),
         "ring": res_ring,
         "stats": stats_acc,
-        "g_w": jax.tree.map(jnp.zeros_like, w),
+        "g_w": [jnp.zeros_like(a) if t else None for a, t in zip(w_leaves, trained, strict=True)],
         "g_x": jnp.zeros((M, b, T, D), x_BTD.dtype),
         "loss": jnp.zeros(tail_shapes[0].shape, tail_shapes[0].dtype),
         "sums": zeros(tail_shapes[1]),
