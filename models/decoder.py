@@ -161,7 +161,7 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-        x_BTD = constrain(self.embed(tokens_BT, positions_BT), RESIDUAL_AXES)
+        embed = lambda inputs: constrain(self.embed(*inputs), RESIDUAL_AXES)  # noqa: E731
         groups, dense_per_group, has_moe = layer_groups(cfg)
         per_group = dense_per_group + has_moe
 
@@ -266,12 +266,14 @@ class Decoder(nnx.Module):
             if tail is not None:
                 head = lambda x_BTD: constrain(self.head(x_BTD), LOGITS_AXES)  # noqa: E731
                 loss_and_sums, aux = provided("pipeline_loss")(
-                    stage_groups, x_BTD, xs, side, head=head, tail=tail, **pipe
+                    stage_groups, embed, (tokens_BT, positions_BT), xs, side, head=head, tail=tail, **pipe
                 )
                 return loss_and_sums, None, aux
-            x_BTD, aux = provided("pipeline")(stage_groups, x_BTD, xs, side, **pipe)
+            x_BTD, aux = provided("pipeline")(
+                stage_groups, embed((tokens_BT, positions_BT)), xs, side, **pipe
+            )
         else:
-            (x_BTD, kv_LG), aux = run_groups(x_BTD, kv_LG, xs, side)
+            (x_BTD, kv_LG), aux = run_groups(embed((tokens_BT, positions_BT)), kv_LG, xs, side)
         if per_layer:
             k_LBKSH, v_LBKSH = (tuple(constrain(c, KV_CACHE_AXES[1:]) for c in cs) for cs in kv_LG)
             cache = KVCache(k_LBKSH, v_LBKSH, positions_BS, cache.index + tokens_BT.shape[1])

@@ -249,6 +249,74 @@ def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipel
     np.testing.assert_allclose(est["compute_s"], model_per_device / 1e12 / 0.8, rtol=1e-9)
 
 
+@pytest.fixture(scope="module")
+def scheduled_dry_runs(devices):
+    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe and 1F1B with M = 8
+    and 16 microbatches of 8 sequences each."""
+    out = {}
+    for name in ("gpipe", "1f1b"):
+        for m in (8, 16):
+            setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
+                *DEEP, "model.remat=full", "train.seq_len=32", f"train.global_batch_size={8 * m}",
+                f"pipeline.schedule={name}", f"pipeline.microbatches={m}"])  # fmt: skip
+            out[name, m] = dry_run(setup)
+    return out
+
+
+def test_1f1b_holds_a_fixed_number_of_microbatches_and_counts_the_bubble_gpipe_has(scheduled_dry_runs):
+    S = 4
+    for m in (8, 16):
+        gpipe, one = scheduled_dry_runs["gpipe", m]["pipeline"], scheduled_dry_runs["1f1b", m]["pipeline"]
+        analytic = (S - 1) / (m + S - 1)
+        assert gpipe["bubble_fraction"] == one["bubble_fraction"] == analytic
+        # Each pass's ticks, from the compiled step's moves between stages.
+        assert one["ticks_counted"] == gpipe["ticks_counted"] == {"forward": m + S - 1, "backward": m + S - 1}
+        assert one["bubble_counted"] == pytest.approx(analytic)
+        assert gpipe["in_flight"] == m + S - 1 and one["in_flight"] == min(2 * S - 1, m)
+    temp = {k: r["per_device_bytes"]["temporaries"] for k, r in scheduled_dry_runs.items()}
+    # Twice the microbatches: GPipe keeps 8 more microbatches' saved activations per stage (two
+    # layer inputs each under remat full); 1F1B's memory stays within one microbatch's activations
+    # (it embeds each microbatch as it enters and holds 2S - 1 at most).
+    one_microbatch = 8 // 2 * 32 * 64 * 4  # rows per device x T x D x fp32
+    assert temp["gpipe", 16] - temp["gpipe", 8] > 8 * 2 * one_microbatch
+    assert abs(temp["1f1b", 16] - temp["1f1b", 8]) < one_microbatch
+
+
+def test_1f1b_runs_the_work_gpipe_runs(scheduled_dry_runs):
+    """The same lockstep passes (idle stages computing on data that is thrown away) and the head on
+    each microbatch's rows split over the stages as outside the pipeline: equal compiled FLOPs."""
+    for m in (8, 16):
+        gpipe = scheduled_dry_runs["gpipe", m]["compiled_matmul_flops_per_device"]
+        assert scheduled_dry_runs["1f1b", m]["compiled_matmul_flops_per_device"] == pytest.approx(
+            gpipe, rel=1e-3
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["pipeline.schedule=zb_h1"], "zb_h1 is not available"),
+        (["pipeline.schedule=interleaved_1f1b"], "needs pipeline.repeats >= 2"),
+        (
+            ["pipeline.schedule=1f1b", "pipeline.repeats=2"],
+            "needs pipeline.schedule = circular or interleaved_1f1b",
+        ),
+        (
+            ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "pipeline.microbatches=6"],
+            "must be a multiple of 4",
+        ),  # fmt: skip
+        (["pipeline.schedule=1f1b", "pipeline.microbatches=2"], "must be at least the number of stages"),
+        (["pipeline.schedule=1f1b", "train.objective=dpo"], "needs pipeline.schedule = gpipe or circular"),
+    ],
+)
+def test_schedules_that_cannot_apply_say_what_works(devices, overrides, message):
+    from spmd.core.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        assemble("tiny", "stage=4,data=2", "pp", overrides=[*DEEP, "train.global_batch_size=48", *overrides],
+                 devices=devices)  # fmt: skip
+
+
 def test_gather_once_gathers_fsdp_weights_once_per_step_not_per_iteration(devices):
     def fsdp_gathers(gather_once):
         setup = assemble("tiny", "stage=2,fsdp=4", "pp_fsdp", devices=devices, overrides=[

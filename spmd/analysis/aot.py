@@ -21,7 +21,7 @@ import jax
 
 from spmd.core.errors import UserError, stderr_captured
 from spmd.core.mesh import MESH_AXES, axes_size, format_mesh, platform_of, split_over_hosts
-from spmd.parallel import strategy
+from spmd.parallel import scheduled, strategy
 
 
 def ring_volume(kind: str, result_bytes: int, group: int) -> float:
@@ -49,19 +49,21 @@ def pipeline_report(plan, rows, items) -> dict | None:
     chunks a stage holds at once, and what the compiled step sends between stages
     (collective-permutes over the stage axes), or None without a pipeline.
 
-    Counted: every tick of the forward pass and of the backward pass moves one microbatch chunk
-    to the next (previous) stage by one collective-permute of the stage axes (the schedule's
-    rotation, `ppermute`), so their executions in the compiled step, loop trip counts multiplied
-    in, are the ticks each pass took; R M of them per pass did work."""
+    Counted: every tick of the forward pass moves one microbatch chunk to the next stage by one
+    collective-permute of the stage axes (the schedule's rotation, `ppermute`), and every tick of
+    the backward pass its gradient back; their executions in the compiled step, loop trip counts
+    multiplied in, are the ticks each pass took, of which R M did work. The pass's last move,
+    which nothing reads, may be left out by the compiler where that tick is not in a loop: each
+    pass is counted as the longer of the two."""
     schedule = plan.schedule
     if schedule is None:
         return None
-    ticks = sum(
-        c.count
-        for c in items
-        if c.kind == "collective-permute" and set(c.axes) <= set(schedule.axes) and "ppermute" in c.op_name
-    )
-    useful = 2 * schedule.repeats * schedule.microbatches
+    ticks = {"forward": 0, "backward": 0}
+    for c in items:
+        if c.kind == "collective-permute" and set(c.axes) <= set(schedule.axes) and "ppermute" in c.op_name:
+            backward = "transpose(" in c.op_name or scheduled.BACKWARD_SCOPE in c.op_name
+            ticks["backward" if backward else "forward"] += c.count
+    per_pass = max(ticks.values())
     permute = sum(
         r["volume_bytes"]
         for r in rows
@@ -80,7 +82,7 @@ def pipeline_report(plan, rows, items) -> dict | None:
         "iterations": schedule.iterations,
         "bubble_fraction": schedule.bubble_fraction,
         "ticks_counted": ticks,
-        "bubble_counted": 1 - useful / ticks if ticks else None,
+        "bubble_counted": 1 - schedule.repeats * schedule.microbatches / per_pass if per_pass else None,
         "in_flight": schedule.in_flight,
         "collective_permute_bytes": permute,
         "other_stage_bytes": other,

@@ -131,8 +131,8 @@ def print_report(r: dict) -> None:
             + (f" x {pp['repeats']} repeats" if pp["repeats"] > 1 else "")
             + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = (S-1)/(M*R+S-1)"
             + (
-                f" (counted in the compiled step: {pp['bubble_counted']:.1%} of {pp['ticks_counted']} "
-                f"pass-ticks)"
+                f" (counted in the compiled step: {pp['bubble_counted']:.1%}; ticks forward "
+                f"{pp['ticks_counted']['forward']}, backward {pp['ticks_counted']['backward']})"
                 if pp["bubble_counted"] is not None
                 else ""
             )

@@ -345,7 +345,8 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
         side_S = jax.tree.map(lambda a: a[m_S], side_M)
         out_SbTD, stats_S = per_stage(w_S, in_SbTD, side_S)
         # Every stage passes its output on (the last stage's arrives at stage 0).
-        state_SbTD = rotate(out_SbTD)
+        with jax.named_scope(scheduled.FORWARD_SCOPE):  # autodiff's transpose is the backward's
+            state_SbTD = rotate(out_SbTD)
         last = t - (S - 1)
         m_last = jnp.mod(last, M)
         keep = (stage_S == 0) & (last >= 0) & (last < M * R)
@@ -376,13 +377,15 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
     return out_BTD, stats
 
 
-def loss(layers_fn, x_BTD, xs, side, *, x_axes, head, tail, xs_axes=None, combine_stats=None,
+def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None, combine_stats=None,
          schedule: Schedule):  # fmt: skip
-    """(tail's (loss, sums), stats) of the layer stack, the head and the loss (`tail`, a
-    spmd.core.family.Tail) on `x_BTD`: `run`, then `head` and the tail on the whole batch (GPipe,
-    circular: autodiff gives the backward), or the scheduled forward and backward of
-    spmd/parallel/scheduled.py (1F1B). Arguments as `run`'s; `head(x_BTD) -> logits`."""
+    """(tail's (loss, sums), stats) of the embedding, the layer stack, the head and the loss
+    (`tail`, a spmd.core.family.Tail): `embed(inputs)`, `run`, then `head` and the tail on the
+    whole batch (GPipe, circular: autodiff gives the backward), or all of them per microbatch in
+    the scheduled forward and backward of spmd/parallel/scheduled.py (1F1B). `inputs`: the
+    embedding's per-row inputs (leading axis B); `head(x_BTD) -> logits`; the rest as `run`'s."""
     if not schedule.scheduled:
+        x_BTD = embed(inputs)
         x_BTD, stats = run(layers_fn, x_BTD, xs, side, x_axes=x_axes, xs_axes=xs_axes,
                            combine_stats=combine_stats, schedule=schedule)  # fmt: skip
         loss, sums = tail.fn(head(x_BTD), tail.rows)
@@ -396,16 +399,16 @@ def loss(layers_fn, x_BTD, xs, side, *, x_axes, head, tail, xs_axes=None, combin
 
     inner = layer_rules(rules, schedule)
     w = stage_weights(xs, xs_axes, schedule, rules, constrain)
-    # The head and loss run on each microbatch's rows split as outside the pipeline (over the
-    # stages too) where they divide, else as inside it.
+    # The embedding, head and loss run on each microbatch's rows split as outside the pipeline
+    # (over the stages too) where they divide, else as inside it.
     outer_split = axes_size(mesh.shape, [a for a in rules.mapping.get("batch", ()) if mesh.shape[a] > 1])
-    tail_rules = rules if (x_BTD.shape[0] // M) % outer_split == 0 else inner
+    tail_rules = rules if (jax.tree.leaves(inputs)[0].shape[0] // M) % outer_split == 0 else inner
 
     def canonical(acc):  # (S, R, Gps, ...) -> (G, ...) in canonical order: group (r*S + s)*Gps + j
         return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(G, *a.shape[3:]), acc)
 
     loss, sums, stats = scheduled.loss(
-        layers_fn, x_BTD, w, side, head=head, tail=tail.fn, rows=tail.rows,
+        layers_fn, embed, inputs, w, side, head=head, tail=tail.fn, rows=tail.rows,
         ticks=scheduled.Ticks(S, M, R), tail_rules=tail_rules, aux_loss=tail.aux_loss,
         combine_stats=combine_stats or (lambda s, n: s), canonical=canonical, axes=schedule.axes,
         res_spec=inner.spec(x_axes), inner=inner, mesh=mesh, constrain=constrain,

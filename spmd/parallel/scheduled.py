@@ -42,6 +42,9 @@ from jax.sharding import PartitionSpec
 
 from spmd.core.logical import rules_replaced
 
+# The named scopes of the activations' and the gradients' moves between stages.
+FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
+
 
 @dataclasses.dataclass(frozen=True)
 class Ticks:
@@ -99,53 +102,57 @@ def _where(mask_S, new, old):
     return jnp.where(mask_S.reshape(-1, *[1] * (new.ndim - 1)), new, old)
 
 
-def loss(layers_fn, x_BTD, w, side, *, head, tail, rows, ticks: Ticks, tail_rules, **kw):
-    """(loss, tail sums, combined stats) of the schedule, differentiable (module doc) in `x_BTD`,
-    `w` and the parameters `head` closes over.
+def loss(layers_fn, embed, inputs, w, side, *, head, tail, rows, ticks: Ticks, tail_rules, **kw):
+    """(loss, tail sums, combined stats) of the schedule, differentiable (module doc) in `w` and
+    the parameters `embed` and `head` close over.
 
+    `embed(inputs_rows) -> x_bTD`: the stack's input for some rows, run by stage 0 on each
+    microbatch as it enters (`inputs`: per-row, leading axis B);
     `layers_fn(x_bTD, w_chunk, side_rows) -> (x, stats or None)`: one chunk of a stage; `w`: leaves
     (S, R, Gps, ...); `side`: per-row layer inputs (leading B); `head(x_bTD) -> logits`;
     `tail(logits, rows) -> (loss, sums)` with `rows` per-row (leading B); `aux_loss(stats) -> loss`,
     linear, of `combine_stats(canonical(stats sums), M)`. The sums and statistics are metrics: no
     gradient flows back from them."""
-    b = x_BTD.shape[0] // ticks.microbatches
-    y_example = jax.ShapeDtypeStruct((b, *x_BTD.shape[1:]), x_BTD.dtype)
+    M = ticks.microbatches
+    inputs_b = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // M, *a.shape[1:]), a.dtype), inputs)
     with rules_replaced(tail_rules):
+        embed_pure, embed_consts = jax.closure_convert(embed, inputs_b)
+        y_example = jax.eval_shape(embed, inputs_b)
         head_pure, head_consts = jax.closure_convert(head, y_example)
 
-    def run(x_BTD, w, head_consts, trained):
-        return _schedule(
-            layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, trained, **kw
-        )
+    def run(embed_consts, w, head_consts, trained):
+        return _schedule(layers_fn, (embed_pure, embed_consts), inputs, w, side, (head_pure, head_consts), tail,
+                         rows, ticks, tail_rules, trained, **kw)  # fmt: skip
 
     @jax.custom_vjp
-    def scheduled(x_BTD, w, head_consts):
-        return run(x_BTD, w, head_consts, None)[0]
+    def scheduled(embed_consts, w, head_consts):
+        return run(embed_consts, w, head_consts, None)[0]
 
-    def scheduled_fwd(x_BTD, w, head_consts):
+    def scheduled_fwd(embed_consts, w, head_consts):
         # Only the layer weights that are differentiated (not a frozen base under LoRA) get a
         # backward and a gradient buffer.
         values = lambda tree: jax.tree.map(lambda p: p.value, tree)  # noqa: E731
         trained = [p.perturbed for p in jax.tree.leaves(w)]
-        return run(values(x_BTD), values(w), values(head_consts), trained)
+        return run(values(embed_consts), values(w), values(head_consts), trained)
 
     def scheduled_bwd(grads, cotangents):
         g_loss = cotangents[0]
-        g_x, g_w, g_head = jax.tree.map(lambda g: (g_loss * g).astype(g.dtype), grads)
+        g_embed, g_w, g_head = jax.tree.map(lambda g: (g_loss * g).astype(g.dtype), grads)
         # g_w: one entry per leaf of w, None (a zero) where it is not differentiated
-        return g_x, jax.tree.unflatten(jax.tree.structure(w), g_w), g_head
+        return g_embed, jax.tree.unflatten(jax.tree.structure(w), g_w), g_head
 
     scheduled.defvjp(scheduled_fwd, scheduled_bwd, symbolic_zeros=True)
-    return scheduled(x_BTD, w, head_consts)
+    return scheduled(embed_consts, w, head_consts)
 
 
 def _schedule(
-    layers_fn, x_BTD, w, side, head_pure, head_consts, tail, rows, ticks, tail_rules, trained, *, aux_loss,
+    layers_fn, embedding, inputs, w, side, heading, tail, rows, ticks, tail_rules, trained, *, aux_loss,
     combine_stats, canonical, axes, res_spec, inner, mesh, constrain,
 ):  # fmt: skip
     S, M, R = ticks.stages, ticks.microbatches, ticks.repeats
     K = ticks.slots
-    B, T, D = x_BTD.shape
+    (embed_pure, embed_consts), (head_pure, head_consts) = embedding, heading
+    B = jax.tree.leaves(inputs)[0].shape[0]
     b = B // M
     stage_S = jnp.arange(S)
 
@@ -154,7 +161,16 @@ def _schedule(
 
     side_M = jax.tree.map(microbatches, side)
     rows_M = jax.tree.map(microbatches, rows)
-    y_example = jax.ShapeDtypeStruct((b, T, D), x_BTD.dtype)
+    inputs_M = jax.tree.map(microbatches, inputs)
+
+    def embed_rows(consts, m):
+        """Microbatch m's input to the first stage."""
+        with rules_replaced(tail_rules):
+            x_bTD = embed_pure(jax.tree.map(lambda a: a[m], inputs_M), *consts)
+        return constrain(x_bTD, res_spec)
+
+    y_example = jax.eval_shape(embed_rows, embed_consts, 0)
+    _, T, D = y_example.shape
 
     def tail_loss(consts, y_bTD, rows_b):
         with rules_replaced(tail_rules):
@@ -202,6 +218,8 @@ def _schedule(
             lambda ws, r: jax.tree.map(lambda a: a[r], ws))(w, r_S)  # fmt: skip
 
     def rotate(x_S, shift):
+        """Stage s's slice to stage s + shift (mod S): one collective-permute over the stage axes,
+        named for the pass it serves (the dry-run counts each pass's ticks by them)."""
         perm = [(i, (i + shift) % S) for i in range(S)]
 
         @jax.shard_map(mesh=mesh, in_specs=PartitionSpec(axes), out_specs=PartitionSpec(axes),
@@ -209,12 +227,13 @@ def _schedule(
         def permute(x):
             return jax.lax.ppermute(x, axes, perm)
 
-        return permute(x_S)
+        with jax.named_scope(FORWARD_SCOPE if shift > 0 else BACKWARD_SCOPE):
+            return permute(x_S)
 
     # Shapes of the residual ring, the statistics and their sums (one chunk of microbatch 0).
     w0 = chunk_of(w, jnp.zeros(S, jnp.int32))
     side0 = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (S, *a.shape[1:])), side_M)
-    x0 = jnp.zeros((S, b, T, D), x_BTD.dtype)
+    x0 = jnp.zeros((S, b, T, D), y_example.dtype)
     _, stats0, res0 = jax.eval_shape(per_stage_fwd, x0, w0, side0)
     res_ring = [jnp.zeros((S, K, *r.shape[1:]), r.dtype) for r in res0]
     stats_acc = jax.tree.map(lambda s: jnp.zeros((S, R, *s.shape[1:]), s.dtype), stats0)
@@ -226,7 +245,6 @@ def _schedule(
         )
         stats_ct = jax.tree.map(lambda c, s: c.astype(s.dtype), stats_ct, stats_acc)
 
-    x_MbTD = microbatches(constrain(x_BTD, res_spec))
     tail_shapes = jax.eval_shape(tail_loss, head_consts, y_example, jax.tree.map(lambda a: a[0], rows_M))
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
     stage_spec = PartitionSpec(axes, *res_spec)
@@ -235,7 +253,7 @@ def _schedule(
         c = dict(carry)
         if fwd:
             valid_S, m_S, r_S, k_S = ticks.forward(t, stage_S)
-            first_bTD = x_MbTD[jnp.clip(m_S[0], 0, M - 1)]
+            first_bTD = embed_rows(embed_consts, jnp.clip(m_S[0], 0, M - 1))
             from_input_S = (stage_S == 0) & (r_S == 0)
             in_SbTD = _where(from_input_S, jnp.broadcast_to(first_bTD, c["state_f"].shape), c["state_f"])
             w_S = chunk_of(w, jnp.clip(r_S, 0, R - 1))
@@ -260,7 +278,7 @@ def _schedule(
             tail_valid, m_t, r_t, _ = ticks.forward(t, S - 1)
             tail_valid = tail_valid & (r_t == R - 1)
             m_t = jnp.clip(m_t, 0, M - 1)
-            g_y = jnp.zeros((b, T, D), x_BTD.dtype)
+            g_y = jnp.zeros((b, T, D), y_example.dtype)
             if fwd:
                 y_bTD = out_SbTD[S - 1]
                 rows_b = jax.tree.map(lambda a: a[m_t], rows_M)
@@ -297,20 +315,26 @@ def _schedule(
                     lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(acc, next(g_w_S), r_S, valid_S)
                 for acc in c["g_w"]
             ]  # fmt: skip
-            # Stage 0's first chunk gives the gradient of the pipeline's input.
+            # Stage 0's first chunk gives the gradient of the microbatch's embedding.
             m0 = jnp.clip(m_S[0], 0, M - 1)
             done = valid_S[0] & (r_S[0] == 0)
-            c["g_x"] = c["g_x"].at[m0].set(jnp.where(done, g_in_SbTD[0], c["g_x"][m0]))
+
+            def embed_grad(g_bTD):
+                _, pull = jax.vjp(lambda consts: embed_rows(consts, m0), embed_consts)
+                return pull(g_bTD)[0]
+
+            g_embed = jax.lax.cond(done, embed_grad, lambda g: zeros(embed_consts), g_in_SbTD[0])
+            c["g_embed"] = jax.tree.map(jnp.add, c["g_embed"], g_embed)
             c["state_b"] = constrain(rotate(g_in_SbTD, -1), stage_spec)
         return c, None
 
     carry = {
-        "state_f": constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), stage_spec),
-        "state_b": constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), stage_spec),
+        "state_f": constrain(jnp.zeros((S, b, T, D), y_example.dtype), stage_spec),
+        "state_b": constrain(jnp.zeros((S, b, T, D), y_example.dtype), stage_spec),
         "ring": res_ring,
         "stats": stats_acc,
         "g_w": [jnp.zeros_like(a) if t else None for a, t in zip(w_leaves, trained, strict=True)],
-        "g_x": jnp.zeros((M, b, T, D), x_BTD.dtype),
+        "g_embed": zeros(embed_consts),
         "loss": jnp.zeros(tail_shapes[0].shape, tail_shapes[0].dtype),
         "sums": zeros(tail_shapes[1]),
         "g_head": zeros(head_consts),
@@ -324,5 +348,4 @@ def _schedule(
             )
     stats = None if stats0 is None else combine_stats(canonical(carry["stats"]), M)
     loss = carry["loss"] + (aux_loss(stats) if stats is not None else 0.0)
-    g_x_BTD = carry["g_x"].swapaxes(0, 1).reshape(B, T, D)
-    return (loss, carry["sums"], stats), (g_x_BTD, carry["g_w"], carry["g_head"])
+    return (loss, carry["sums"], stats), (carry["g_embed"], carry["g_w"], carry["g_head"])

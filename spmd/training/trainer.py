@@ -479,6 +479,11 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     aux_weights = family.aux_weights(cfg.model)
     # 1F1B: the loss runs inside the pipeline's schedule (spmd/parallel/scheduled.py)
     in_schedule = plan.schedule is not None and plan.schedule.scheduled
+    if in_schedule and objective != "lm":
+        raise UserError(
+            f"pipeline.schedule = {plan.schedule.name} runs the language-model loss inside its schedule; "
+            f"train.objective = {objective} needs pipeline.schedule = gpipe or circular"
+        )
 
     def losses_of(params, batch, frozen=None, key=None, reference=None):
         with partition.step_context(key):
