@@ -28,4 +28,4 @@ for step in range(3):
         ]
     )
     np.save(out / f"p{jax.process_index()}_s{step}.npy", local)
-    np.save(out / f"p{jax.process_index()}_rows.npy", np.array([rows.start, rows.stop]))
+    np.save(out / f"p{jax.process_index()}_rows.npy", np.array([rows[0], rows[-1] + 1]))

@@ -369,18 +369,28 @@ class Batches:
         return self.start_sample + (step - self.start_step) * self.global_batch_size
 
     @functools.cached_property
-    def local_rows(self) -> range:
-        """Rows of the global batch held by this process's devices (a contiguous range)."""
+    def local_rows(self) -> list[int]:
+        """Rows of the global batch held by this process's devices, in order: a contiguous range,
+        or several blocks where the batch axes split rows over processes innermost (a pipeline's
+        stages across processes: `stage` is the batch's last axis)."""
         n_rows = self.global_batch_size * self.rows_per_sample
         index_map = self.sharding.addressable_devices_indices_map((n_rows, self.seq_len))
-        starts = [idx[0].start or 0 for idx in index_map.values()]
-        stops = [idx[0].stop if idx[0].stop is not None else n_rows for idx in index_map.values()]
-        return range(min(starts), max(stops))
+        held = set()
+        for idx in index_map.values():
+            held.update(range(*idx[0].indices(n_rows)))
+        return sorted(held)
 
     def _assemble(self, dataset, first: int) -> dict[str, jax.Array]:
         rows, k = self.local_rows, self.rows_per_sample
         shape = (self.global_batch_size * k, self.seq_len)
         if k > 1:  # pairs: (samples, 2, field, T) -> (rows, field, T), then this process's rows
+            if rows != list(range(rows[0], rows[-1] + 1)):
+                raise UserError(
+                    "preference pairs need each process's rows of the batch in one block; the batch "
+                    "axes split them over processes innermost (a pipeline's stages across "
+                    "processes): put `stage` in --mesh, not --dcn-mesh"
+                )
+            rows = range(rows[0], rows[-1] + 1)
             lo, hi = rows.start // k, -(-rows.stop // k)
             windows = np.stack([dataset[first + i] for i in range(lo, hi)])
             windows = windows.reshape(-1, *windows.shape[2:])[rows.start - lo * k : rows.stop - lo * k]
