@@ -69,6 +69,17 @@ def assert_close(a, b):
     np.testing.assert_allclose([x for x in ea if x], [x for x in eb if x], rtol=1e-5)
 
 
+def assert_losses_of(run_dir, setup, steps):
+    """The run's logged losses equal `setup` trained in this process for `steps` steps."""
+    import jax
+
+    state, batches, losses = setup.trainer.init_state(), setup.batches(), []
+    for step in range(steps):
+        state, m = setup.trainer.train_step(state, batches.train_batch(step))
+        losses.append(float(jax.device_get(m["loss"])))
+    np.testing.assert_allclose([r["loss"] for r in records(run_dir) if "loss" in r], losses, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """1 process x 8 devices, 12 steps: what every multi-process layout must reproduce."""
@@ -356,7 +367,6 @@ def test_two_processes_syncing_across_the_dcn_axis_match_the_slices_simulated_in
     """[sync] across --dcn-mesh data=2 (the slow axis from the flag) on 2 processes: DiLoCo with
     int8 outer gradients trains as the same slices simulated on one process's 8 devices
     (sync.axes = data): the syncs at steps 2 and 4 included."""
-    import jax
 
     from spmd.assembly.setup import assemble
 
@@ -368,18 +378,12 @@ def test_two_processes_syncing_across_the_dcn_axis_match_the_slices_simulated_in
         "tiny", "data=2,fsdp=2,tensor=2", "fsdp_tp", overrides=["sync.axes=data", *sync, "train.steps=4"]
     )
     assert setup.cfg.sync.axis_names() == ("data",)
-    state, batches, losses = setup.trainer.init_state(), setup.batches(), []
-    for step in range(4):
-        state, m = setup.trainer.train_step(state, batches.train_batch(step))
-        losses.append(float(jax.device_get(m["loss"])))
-    ours = [r["loss"] for r in records(tmp_path / "run") if "loss" in r]
-    np.testing.assert_allclose(ours, losses, rtol=1e-5)
+    assert_losses_of(tmp_path / "run", setup, 4)
 
 
 def test_two_processes_with_the_stages_across_them_match_one(tmp_path):
     """1F1B with --dcn-mesh stage=2 (one stage per process): the activations and gradients cross
     processes by the schedule's permutes; losses equal the same mesh on one process."""
-    import jax
 
     from spmd.assembly.setup import assemble
 
@@ -390,9 +394,4 @@ def test_two_processes_with_the_stages_across_them_match_one(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     setup = assemble("tiny", "stage=2,fsdp=2,tensor=2", "pp_fsdp_tp", overrides=[*sets, "train.steps=3"])
     assert setup.plan.schedule.name == "1f1b"
-    state, batches, losses = setup.trainer.init_state(), setup.batches(), []
-    for step in range(3):
-        state, m = setup.trainer.train_step(state, batches.train_batch(step))
-        losses.append(float(jax.device_get(m["loss"])))
-    ours = [r["loss"] for r in records(tmp_path / "run") if "loss" in r]
-    np.testing.assert_allclose(ours, losses, rtol=1e-5)
+    assert_losses_of(tmp_path / "run", setup, 3)

@@ -2,7 +2,7 @@
 (analytic and counted in the compiled step), compiled FLOPs against the unpipelined step, and CPU
 step time.
 
-    python scripts/bench/bench_schedules.py tpu --config llama-8b --topology v5p:4x4x4 --mesh stage=4,fsdp=16
+    python scripts/bench/bench_schedules.py tpu --config llama-8b --topology v5p:4x4x4 --mesh stage=4,fsdp=8,tensor=2
     python scripts/bench/bench_schedules.py flops      # tiny on 8 fake CPU devices, XLA:CPU
     python scripts/bench/bench_schedules.py time [--rounds 3 --steps 4]
 
@@ -140,9 +140,9 @@ def main() -> None:
     t = sub.add_parser("tpu")
     t.add_argument("--config", default="llama-8b")
     t.add_argument("--topology", default="v5p:4x4x4")
-    t.add_argument("--mesh", default="stage=4,fsdp=16")
-    t.add_argument("--rules", default="pp_fsdp")
-    t.add_argument("--rows", type=int, default=16, help="sequences per pipeline microbatch")
+    t.add_argument("--mesh", default="stage=4,fsdp=8,tensor=2")
+    t.add_argument("--rules", default="pp_fsdp_tp")
+    t.add_argument("--rows", type=int, default=8, help="sequences per pipeline microbatch")
     t.add_argument("--remat", default="full")
     t.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32])
     t.add_argument("--schedules", nargs="*", default=[])
