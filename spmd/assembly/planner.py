@@ -23,6 +23,7 @@
 """
 
 import dataclasses
+import math
 import re
 
 from spmd.analysis.hardware import CHIPS
@@ -240,6 +241,17 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
             est["step_s"] = est["compute_s"] + est["comm_s"]
         fits.append({"mesh": spec, "rules": preset, "setup": setup, "static": static, "levers": levers,
                      "why": why, **est})  # fmt: skip
+        for more, reason in schedule_offers(setup):
+            try:
+                variant = assemble(
+                    apply_overrides(cfg, [*levers, *more]), spec, setup.rules, devices=device_list
+                )
+            except UserError as e:
+                rejected.append((spec, preset + sets([*levers, *more]), str(e)))
+                continue
+            fits.append({"mesh": spec, "rules": preset, "setup": variant, "static": static,
+                         "levers": [*levers, *more], "why": (why + "; " if why else "") + reason,
+                         **estimate(variant.cfg, variant.plan, hw, dcn)})  # fmt: skip
     fits.sort(key=lambda c: c["step_s"])
 
     # The analytic memory above leaves activations out, so at long sequences the fastest layouts
@@ -303,6 +315,33 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
                 break
     ranked.sort(key=lambda c: c["step_s"])
     return Search(ranked, rejected, len(fits), compiled)
+
+
+def schedule_offers(setup) -> list[tuple[list[str], str]]:
+    """For a layout with a GPipe or circular pipeline: 1F1B (interleaved where it repeats) with as
+    many microbatches as the batch allows up to 8 per stage, (overrides, why); 1F1B holds at most
+    2S - 1 microbatches' activations whatever M, so a larger M costs no memory and shrinks the
+    bubble. Empty without a pipeline or where the schedule is already scheduled."""
+    schedule, cfg = setup.plan.schedule, setup.cfg
+    if schedule is None or schedule.scheduled:
+        return []
+    S, R = schedule.stages, schedule.repeats
+    rows = cfg.train.global_batch_size // cfg.train.microbatches
+    sizes = dict(setup.plan.mesh.shape)
+    dp = math.prod(sizes[a] for a in setup.plan.rules.mapping.get("batch", ()) if a not in schedule.axes)
+    fits = [
+        m
+        for m in (2 * S, 4 * S, 8 * S)
+        if m > schedule.microbatches and rows % m == 0 and (rows // m) % dp == 0
+    ]
+    if not fits:
+        return []
+    best = max(fits)
+    name = "interleaved_1f1b" if R > 1 else "1f1b"
+    bubble = (S - 1) / (best * R + S - 1)
+    return [([f"pipeline.schedule={name}", f"pipeline.microbatches={best}"],
+             f"{name} holds at most {min(2 * R * S - 1, R * best)} microbatch chunks per stage whatever M, so "
+             f"M = {best}: bubble {bubble:.1%} (GPipe at M = {schedule.microbatches}: {schedule.bubble_fraction:.1%})")]  # fmt: skip
 
 
 # What spmd-plan offers when the gradients' all-reduce across hosts outlasts the step's compute:
