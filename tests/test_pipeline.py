@@ -367,3 +367,28 @@ def test_pipeline_compiles_for_tpu_with_stages_across_slices():
     by_stage = [s.mesh.devices.take(i, axis=0) for i in range(2)]
     assert [{d.slice_index for d in part.flat} for part in by_stage] in ([{0}, {1}], [{1}, {0}])
     assert s.plan.schedule.stages == 2
+
+
+def test_residuals_computed_from_the_weights_alone_are_recomputed_not_held():
+    """A layer scan saves each layer's (transposed) weight for its backward; 1F1B holds only the
+    residuals that depend on the microbatch in its slots and recomputes the rest from the weights."""
+    import jax.numpy as jnp
+
+    from spmd.parallel.scheduled import weight_only
+
+    def stage(x, w, side):
+        def layer(c, w_l):
+            return jnp.tanh(c @ w_l.T), None
+
+        out, pullback = jax.vjp(lambda x, w: jax.lax.scan(layer, x, w)[0], x, w)
+        return out, None, jax.tree.leaves(pullback)
+
+    x, w = jnp.ones((3, 4)), jnp.arange(32.0).reshape(2, 4, 4) / 32
+    recompute, depends = weight_only(stage, x, w, ())
+    leaves = stage(x, w, ())[2]
+    assert [leaf.shape for leaf in leaves] == [(2, 4, 4), (2, 3, 4), (2, 3, 4)] and depends == [
+        False,
+        True,
+        True,
+    ]
+    np.testing.assert_array_equal(recompute(w)[0], leaves[0])

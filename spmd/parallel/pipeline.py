@@ -1,4 +1,5 @@
-"""Pipeline parallelism over the `stage` mesh axis: GPipe and circular (interleaved) schedules.
+"""Pipeline parallelism over the `stage` mesh axis: GPipe and circular (interleaved) schedules
+here; 1F1B and interleaved 1F1B, whose backward runs inside the schedule, in scheduled.py.
 
 GSPMD style, as MaxText does it: the compiler sees one program. The layer stack (a leading
 `layers` axis, which the rules map to `stage`) is viewed as (S stages, R repeats, Gps groups per

@@ -35,9 +35,12 @@ microbatch, T sequence, D embed.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
 from spmd.core.logical import rules_replaced
@@ -96,6 +99,20 @@ class Ticks:
         m, r = g * S + within % S, R - 1 - within // S
         k = g * S * R + r * S + within % S  # the index of the forward it undoes
         return (u >= 0) & (u < R * self.microbatches), m, r, k
+
+
+def weight_only(stage_fwd, x, w_c, side_b):
+    """(a function computing, from the weights and side inputs, the residual leaves of `stage_fwd`
+    that do not depend on the microbatch's activations, and for each leaf whether it does), by
+    JAX's partial evaluation with the activations unknown."""
+    closed = jax.make_jaxpr(lambda x, w_c, side_b: stage_fwd(x, w_c, side_b)[2])(x, w_c, side_b)
+    n_known = len(jax.tree.leaves((w_c, side_b)))
+    known, _, depends, _ = pe.partial_eval_jaxpr_nounits(
+        closed, [True] + [False] * n_known, instantiate=False
+    )
+    n_out = depends.count(False)
+    known, _ = pe.dce_jaxpr(known.replace(outvars=known.outvars[:n_out]), [True] * n_out, instantiate=True)
+    return jax_core.jaxpr_as_fun(known), depends
 
 
 def _where(mask_S, new, old):
@@ -178,6 +195,7 @@ def _schedule(
 
     w_leaves, w_def = jax.tree.flatten(w)
     trained = [False] * len(w_leaves) if trained is None else trained
+    derived = types.SimpleNamespace(fn=None, depends=None)  # set from shapes below
 
     def stage_fwd(x_bTD, w_c, side_b):
         """One chunk forward: (output, stats, residual leaves that are not the weights or side
@@ -198,16 +216,27 @@ def _schedule(
         stage_fwd.layout = treedef, refs
         return out, stats, [leaf for leaf, ref in zip(leaves, refs, strict=True) if ref is None]
 
+    def stored_fwd(x_bTD, w_c, side_b):
+        """stage_fwd keeping only the residuals that depend on the microbatch: those computed from
+        the weights alone (the layer scan's per-layer slices of them, with remat none) are
+        recomputed in the backward, not held once per microbatch in flight."""
+        out, stats, leaves = stage_fwd(x_bTD, w_c, side_b)
+        return out, stats, [leaf for leaf, dep in zip(leaves, derived.depends, strict=True) if dep]
+
     def per_stage_fwd(x_SbTD, w_S, side_S):
         with rules_replaced(inner):
-            return jax.vmap(stage_fwd, spmd_axis_name=axes)(x_SbTD, w_S, side_S)
+            return jax.vmap(stored_fwd, spmd_axis_name=axes)(x_SbTD, w_S, side_S)
 
     def per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S):
         treedef, refs = stage_fwd.layout
 
         def one(res, w_c, side_b, g, g_stats):
-            known, stored = jax.tree.leaves((w_c, side_b)), iter(res)
-            leaves = [next(stored) if ref is None else known[ref] for ref in refs]
+            known = jax.tree.leaves((w_c, side_b))
+            recomputed = iter(derived.fn(*known))
+            stored = iter(res)
+            leaves = [next(stored) if dep else next(recomputed) for dep in derived.depends]
+            leaves = iter(leaves)
+            leaves = [next(leaves) if ref is None else known[ref] for ref in refs]
             return jax.tree.unflatten(treedef, leaves)((g, g_stats))
 
         with rules_replaced(inner):
@@ -234,6 +263,11 @@ def _schedule(
     w0 = chunk_of(w, jnp.zeros(S, jnp.int32))
     side0 = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (S, *a.shape[1:])), side_M)
     x0 = jnp.zeros((S, b, T, D), y_example.dtype)
+    with rules_replaced(inner):
+        derived.fn, derived.depends = weight_only(
+            stage_fwd, jax.ShapeDtypeStruct((b, T, D), y_example.dtype),
+            *[jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t) for t in (w0, side0)],
+        )  # fmt: skip
     _, stats0, res0 = jax.eval_shape(per_stage_fwd, x0, w0, side0)
     res_ring = [jnp.zeros((S, K, *r.shape[1:]), r.dtype) for r in res0]
     stats_acc = jax.tree.map(lambda s: jnp.zeros((S, R, *s.shape[1:]), s.dtype), stats0)
