@@ -35,7 +35,6 @@ def deep_single(devices):
 
 
 LAYOUTS = [
-    ("pp", "stage=2", ["pipeline.microbatches=4"]),
     ("pp", "stage=4", ["pipeline.microbatches=8"]),
     ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", ["pipeline.microbatches=4"]),
     ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", ["pipeline.gather_once=true", "pipeline.microbatches=4"]),
@@ -392,3 +391,27 @@ def test_residuals_computed_from_the_weights_alone_are_recomputed_not_held():
         True,
     ]
     np.testing.assert_array_equal(recompute(w)[0], leaves[0])
+
+
+@pytest.mark.slow
+def test_1f1b_resumes_after_sigkill_exactly(tmp_path):
+    """Killed after its step-4 checkpoint and resumed: the same losses, bit for bit, as a run that
+    was not interrupted."""
+    from test_preemption import losses, start, wait_for
+
+    from spmd.io import checkpoint as ckpt
+
+    args = ["--mesh", "stage=2,fsdp=2,tensor=2", "--rules", "pp_fsdp_tp", "--set", "pipeline.schedule=1f1b",
+            "--set", "pipeline.microbatches=2", "--steps", "8", "--checkpoint-every", "4"]  # fmt: skip
+    common = ["--config", "tiny", "--host-devices", "8", "--log-every", "1", "--eval-every", "0"]
+    reference = tmp_path / "reference"
+    assert spmd_train(*common, *args, "--run-dir", str(reference)).returncode == 0
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *args)
+    wait_for(lambda: 4 in ckpt.committed_steps(run_dir / ckpt.SUBDIR), proc)
+    proc.kill()
+    proc.wait()
+    result = spmd_train(*common, *args, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stderr
+    assert losses(run_dir) == losses(reference)
