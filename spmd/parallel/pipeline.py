@@ -450,15 +450,20 @@ def stage_traffic(c, seen):
     rows = cfg.train.global_batch_size // cfg.train.microbatches  # a stage's rows, inside
     rows //= axes_size(sizes, [a for a in seen.rules.mapping.get("batch", ()) if a not in schedule.axes])
     T, D = cfg.train.seq_len, cfg.model.d_model
+    M, S = schedule.microbatches, schedule.stages
     buffers = {
-        squeeze((schedule.microbatches, rows // schedule.microbatches, T, D)),
+        squeeze((M, rows // M, T, D)),
         squeeze((rows, T, D)),
-        squeeze((rows // schedule.stages, T, D)),  # the rows one stage computes the head of
+        squeeze((rows // S, T, D)),  # the rows one stage computes the head of
+        # 1F1B: one microbatch's rows, and one stage's share of them, each tick
+        squeeze((rows // M, T, D)),
+        squeeze((rows // M // S, T, D)),
     }
     if any(squeeze(shape) in buffers for shape in seen.shapes):
         return rule(["layers"], seen.axes), (
             "pipeline: the stages' input rows to stage 0 and the outputs from it to the stages "
-            "that compute their head and loss (forward), their gradients back (backward)"
+            "that compute their head and loss (forward), their gradients back (backward); under "
+            "1F1B one microbatch's each tick"
         )
     return None
 

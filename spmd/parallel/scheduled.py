@@ -6,7 +6,10 @@ remat policy saves for every microbatch. Here the loss is part of the schedule: 
 and the loss run on each microbatch as it leaves the last stage, and every tick each stage runs one
 forward and one backward of the microbatches in front of it (a per-stage `jax.vjp`, its residuals
 kept in a ring of slots until that microbatch's backward comes round). A stage then holds at most
-2 R S - 1 microbatches' residuals (chunk-sized when R > 1) whatever M is.
+2 R S - 1 microbatches' residuals (chunk-sized when R > 1) whatever M is; residuals computed from
+the weights alone are recomputed in the backward instead (`weight_only`). Stage 0 embeds each
+microbatch as it enters and adds its embedding's gradient as its backward leaves, so nothing the
+size of the whole batch is held either.
 
 Lockstep: every stage runs the same pass in the same tick (one `vmap` over the stage axis, as
 pipeline.py explains), so a tick costs one forward and one backward of a chunk whichever stages
@@ -230,17 +233,18 @@ def _schedule(
     def per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S):
         treedef, refs = stage_fwd.layout
 
-        def one(res, w_c, side_b, g, g_stats):
+        def one(res, recomputed, w_c, side_b, g, g_stats):
             known = jax.tree.leaves((w_c, side_b))
-            recomputed = iter(derived.fn(*known))
-            stored = iter(res)
-            leaves = [next(stored) if dep else next(recomputed) for dep in derived.depends]
-            leaves = iter(leaves)
+            stored, recomputed = iter(res), iter(recomputed)
+            leaves = iter([next(stored) if dep else next(recomputed) for dep in derived.depends])
             leaves = [next(leaves) if ref is None else known[ref] for ref in refs]
             return jax.tree.unflatten(treedef, leaves)((g, g_stats))
 
         with rules_replaced(inner):
-            return jax.vmap(one, spmd_axis_name=axes)(res_S, w_S, side_S, g_SbTD, g_stats_S)
+            # The weight-only residuals, from the stacked weights (outside the vmap: what it
+            # traced, such as the dropless MoE's shard_map, already has the stage axis in it).
+            recomputed_S = derived.fn(*jax.tree.leaves((w_S, side_S)))
+            return jax.vmap(one, spmd_axis_name=axes)(res_S, recomputed_S, w_S, side_S, g_SbTD, g_stats_S)
 
     def chunk_of(w, r_S):
         return jax.tree.map(lambda a: a[:, 0], w) if R == 1 else jax.vmap(
@@ -265,8 +269,7 @@ def _schedule(
     x0 = jnp.zeros((S, b, T, D), y_example.dtype)
     with rules_replaced(inner):
         derived.fn, derived.depends = weight_only(
-            stage_fwd, jax.ShapeDtypeStruct((b, T, D), y_example.dtype),
-            *[jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t) for t in (w0, side0)],
+            jax.vmap(stage_fwd, spmd_axis_name=axes), *jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x0, w0, side0))
         )  # fmt: skip
     _, stats0, res0 = jax.eval_shape(per_stage_fwd, x0, w0, side0)
     res_ring = [jnp.zeros((S, K, *r.shape[1:]), r.dtype) for r in res0]
