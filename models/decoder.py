@@ -156,8 +156,8 @@ class Decoder(nnx.Module):
     ):  # fmt: skip
         """(logits, updated cache or None, Aux stacked over the layers that make it, or None).
         segment_ids_BT, order_BT: packed documents (training); see the families' attention.
-        With a `tail` (training), its (loss, sums) in place of the logits: a pipeline may run the
-        head and the loss on each microbatch inside its schedule."""
+        With a `tail` (training under a pipeline that schedules its backward, which runs the head
+        and the loss on each microbatch), the tail's (loss, sums) in place of the logits."""
         cfg = self.cfg
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
@@ -255,6 +255,8 @@ class Decoder(nnx.Module):
 
         side = (positions_BT, segment_ids_BT, order_BT)
         piped = cache is None and is_split("layers")
+        if tail is not None and not piped:
+            raise ValueError("a Tail is run by a pipeline's schedule; without one, apply it to the logits")
         if piped:
             # The layer stack is split over pipeline stages (spmd/parallel/pipeline.py); with a
             # tail, the pipeline runs the head and the loss too.
@@ -285,11 +287,7 @@ class Decoder(nnx.Module):
                 positions_BS,
                 cache.index + tokens_BT.shape[1],
             )
-        logits_BTV = constrain(self.head(x_BTD), LOGITS_AXES)
-        if tail is not None:
-            loss, sums = tail.fn(logits_BTV, tail.rows)
-            return (loss + tail.aux_loss(aux), sums), cache, aux
-        return logits_BTV, cache, aux
+        return constrain(self.head(x_BTD), LOGITS_AXES), cache, aux
 
 
 def attention_flops_per_token(cfg, seq_len: int) -> float:

@@ -381,16 +381,9 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
 def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None, combine_stats=None,
          schedule: Schedule):  # fmt: skip
     """(tail's (loss, sums), stats) of the embedding, the layer stack, the head and the loss
-    (`tail`, a spmd.core.family.Tail): `embed(inputs)`, `run`, then `head` and the tail on the
-    whole batch (GPipe, circular: autodiff gives the backward), or all of them per microbatch in
-    the scheduled forward and backward of spmd/parallel/scheduled.py (1F1B). `inputs`: the
-    embedding's per-row inputs (leading axis B); `head(x_BTD) -> logits`; the rest as `run`'s."""
-    if not schedule.scheduled:
-        x_BTD = embed(inputs)
-        x_BTD, stats = run(layers_fn, x_BTD, xs, side, x_axes=x_axes, xs_axes=xs_axes,
-                           combine_stats=combine_stats, schedule=schedule)  # fmt: skip
-        loss, sums = tail.fn(head(x_BTD), tail.rows)
-        return (loss + tail.aux_loss(stats), sums), stats
+    (`tail`, a spmd.core.family.Tail), all per microbatch in the scheduled forward and backward of
+    spmd/parallel/scheduled.py (1F1B, interleaved). `inputs`: the embedding's per-row inputs
+    (leading axis B); `head(x_BTD) -> logits`; the rest as `run`'s."""
     rules, mesh = active()
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
     G = jax.tree.leaves(xs)[0].shape[0]
@@ -423,7 +416,8 @@ def provider(schedule: Schedule):
 
 
 def loss_provider(schedule: Schedule):
-    """... and as "pipeline_loss": the layers, head and loss together."""
+    """... and as "pipeline_loss" (schedules that schedule their backward): the embedding, layers,
+    head and loss together."""
     return functools.partial(loss, schedule=schedule)
 
 

@@ -30,11 +30,9 @@ def activate(rules, mesh, schedule: pipeline.Schedule | None = None, lowering: L
     # the parallel implementations the strategies hand models through the seam (logical.provided)
     ops = strategy.ops()
     if schedule is not None:
-        ops = {
-            **ops,
-            "pipeline": pipeline.provider(schedule),
-            "pipeline_loss": pipeline.loss_provider(schedule),
-        }
+        ops = {**ops, "pipeline": pipeline.provider(schedule)}
+    if schedule is not None and schedule.scheduled:
+        ops["pipeline_loss"] = pipeline.loss_provider(schedule)
     with activation_sharding(rules, mesh, ops), lowered(lowering or Lowering.for_platform(platform_of(mesh))):
         yield
 
