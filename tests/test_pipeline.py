@@ -22,6 +22,7 @@ DEEP = ["model.n_layers=8"]
 RULES = pathlib.Path(__file__).parent / "fixtures" / "rules"
 ONE_F_ONE_B = ["pipeline.schedule=1f1b"]
 INTERLEAVED = ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]
+ZB_H1 = ["pipeline.schedule=zb_h1"]
 
 
 def _n_devices(mesh: str) -> int:
@@ -48,10 +49,12 @@ LAYOUTS = [
 ]
 
 
-# The scheduled backward (1F1B, interleaved): with FSDP and tensor parallelism, data parallelism,
+# The scheduled backward (ZB-H1, interleaved, 1F1B): with FSDP and tensor parallelism, data parallelism,
 # ring attention, ZeRO-1 under gradient accumulation; each remat policy.
 LAYOUTS += [
-    ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*ONE_F_ONE_B, "pipeline.microbatches=4"]),
+    # ZB-H1: the backward cut into input and weight gradients through FSDP and tensor-parallel
+    # matmuls and remat regions (its forward and B pass are 1F1B's).
+    ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=save_dots"]),
     ("pp", "stage=4,data=2", [*INTERLEAVED, "pipeline.microbatches=4", "model.remat=save_dots"]),
     (
         str(RULES / "pp_cp_ring.toml"),
@@ -92,10 +95,13 @@ MOE_LAYOUTS = [
     ("pp_fsdp", "stage=2,fsdp=4", []),
     # 1F1B with the experts split over expert (the dropless all-to-all inside a stage)
     (str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2", ONE_F_ONE_B),
+    (str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2", ZB_H1),
 ]
 
 
-@pytest.mark.parametrize("rules,mesh,overrides", MOE_LAYOUTS, ids=["gpipe-fsdp", "1f1b-expert"])
+@pytest.mark.parametrize(
+    "rules,mesh,overrides", MOE_LAYOUTS, ids=["gpipe-fsdp", "1f1b-expert", "zb_h1-expert"]
+)
 def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
     moe_single, devices, rules, mesh, overrides
 ):
@@ -113,13 +119,14 @@ def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_lora_under_1f1b_trains_like_lora_on_one_device(devices):
-    """Only the adapters train; the schedule's gradients of the frozen base are not taken."""
+def test_lora_under_a_scheduled_backward_trains_like_lora_on_one_device(devices):
+    """Only the adapters train; the schedule's gradients of the frozen base are not taken (nor cut
+    out of the backward: ZB-H1's weight pass computes the adapters' gradients alone)."""
     lora = ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2"]
     ref_losses, ref_params, _ = run_training(load_config("tiny", lora), "", "fsdp", 3, devices[:1])
-    cfg = load_config("tiny", [*lora, *ONE_F_ONE_B, "pipeline.microbatches=2"])
+    cfg = load_config("tiny", [*lora, *ZB_H1, "pipeline.microbatches=2"])
     losses, params, trainer = run_training(cfg, "stage=2", "pp", 3, devices[:2])
-    assert trainer.plan.schedule.name == "1f1b"
+    assert trainer.plan.schedule.name == "zb_h1"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -249,10 +256,10 @@ def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipel
 
 @pytest.fixture(scope="module")
 def scheduled_dry_runs(devices):
-    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe and 1F1B with M = 8
-    and 16 microbatches of 8 sequences each."""
+    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe, 1F1B and ZB-H1 with
+    M = 8 and 16 microbatches of 8 sequences each."""
     out = {}
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b", "zb_h1"):
         for m in (8, 16):
             setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
                 *DEEP, "model.remat=full", "train.seq_len=32", f"train.global_batch_size={8 * m}",
@@ -278,6 +285,26 @@ def test_1f1b_holds_a_fixed_number_of_microbatches_and_counts_the_bubble_gpipe_h
     one_microbatch = 8 // 2 * 32 * 64 * 4  # rows per device x T x D x fp32
     assert temp["gpipe", 16] - temp["gpipe", 8] > 8 * 2 * one_microbatch
     assert abs(temp["1f1b", 16] - temp["1f1b", 8]) < one_microbatch
+    assert abs(temp["zb_h1", 16] - temp["zb_h1", 8]) < one_microbatch
+
+
+def test_zb_h1_defers_the_weight_gradients_into_ticks_every_stage_has_work(scheduled_dry_runs):
+    """Its forward and input-gradient passes tick as 1F1B's do; its M weight-gradient passes (counted
+    in the compiled step) run in ticks that have work for every stage, so the bubble over all three
+    passes is 2 (S - 1) / (3 M + 2 (S - 1)), and the work 1F1B does in its bubble's weight
+    gradients is not compiled: fewer FLOPs, with none computed twice."""
+    S = 4
+    for m in (8, 16):
+        zb, one = scheduled_dry_runs["zb_h1", m], scheduled_dry_runs["1f1b", m]
+        pp = zb["pipeline"]
+        analytic = 2 * (S - 1) / (3 * m + 2 * (S - 1))
+        assert pp["ticks_counted"] == {"forward": m + S - 1, "backward": m + S - 1, "weight": m}
+        assert pp["bubble_fraction"] == analytic and pp["bubble_counted"] == pytest.approx(analytic)
+        assert pp["bubble_counted"] < one["pipeline"]["bubble_counted"]
+        # 1F1B's layers cost (M + S - 1) (F + B + W), ZB-H1's (M + S - 1) (F + B) + M W: with the
+        # three alike, ZB-H1 saves (S - 1) / (3 (M + S - 1)) of 1F1B's layer FLOPs.
+        saved = 1 - zb["compiled_matmul_flops_per_device"] / one["compiled_matmul_flops_per_device"]
+        assert 0.5 * (S - 1) / (3 * (m + S - 1)) < saved <= (S - 1) / (3 * (m + S - 1))
 
 
 def test_1f1b_runs_the_work_gpipe_runs(scheduled_dry_runs):
@@ -293,7 +320,10 @@ def test_1f1b_runs_the_work_gpipe_runs(scheduled_dry_runs):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["pipeline.schedule=zb_h1"], "zb_h1 is not available"),
+        (
+            ["pipeline.schedule=zb_h1", "pipeline.repeats=2"],
+            "needs pipeline.schedule = circular or interleaved_1f1b",
+        ),
         (["pipeline.schedule=interleaved_1f1b"], "needs pipeline.repeats >= 2"),
         (
             ["pipeline.schedule=1f1b", "pipeline.repeats=2"],

@@ -225,12 +225,12 @@ def test_a_dry_run_gives_a_verdict_against_a_memory_budget():
     assert roomy["fits"] and roomy["levers"] == [] and roomy["over"] == 0
 
 
-def test_pipelines_are_offered_with_1f1b_and_win_only_over_slow_links():
+def test_pipelines_are_offered_with_scheduled_backwards_and_win_only_over_slow_links():
     """Over stage and fsdp: on one host FSDP ranks first; with the devices on two hosts (slow DCN),
-    a pipeline with its stages across the hosts does, as 1F1B with more microbatches than GPipe
-    could hold (its memory flat in M, its bubble smaller), and says so."""
+    a pipeline with its stages across the hosts does, as ZB-H1 with more microbatches than GPipe
+    could hold (its memory flat in M, its bubble smaller than 1F1B's), and says so."""
     args = ["plan", "--config", "tiny", "--devices", "8", "--memory-per-device", "64MiB", "--hardware", "cpu",
-            "--axes", "stage,fsdp", "--set", "model.n_layers=8", "--set", "train.global_batch_size=64",
+            "--axes", "stage,fsdp", "--set", "model.n_layers=8", "--set", "train.global_batch_size=128",
             "--candidates", "1"]  # fmt: skip
     best = {}
     for dcn in (1, 2):
@@ -239,15 +239,15 @@ def test_pipelines_are_offered_with_1f1b_and_win_only_over_slow_links():
         lines = r.stdout.splitlines()
         best[dcn] = next(i for i, line in enumerate(lines) if line.startswith("  1. ")), lines
     i, lines = best[1]
-    assert lines[i].startswith("  1. --mesh fsdp=8 --rules fsdp:")
+    assert lines[i].startswith("  1. --mesh fsdp=8 --rules fsdp")
     i, lines = best[2]
     assert lines[i].startswith(
-        "  1. --mesh stage=2,fsdp=4 --rules pp_fsdp --set pipeline.schedule=1f1b --set pipeline.microbatches=16"
+        "  1. --mesh stage=2,fsdp=4 --rules pp_fsdp --set pipeline.schedule=zb_h1 --set pipeline.microbatches=16"
     )
     assert "DCN axes stage" in lines[i]
-    assert (
-        lines[i + 1]
-        == "     why: 1f1b holds at most 3 microbatch chunks per stage whatever M, so M = 16: bubble 5.9% (GPipe at M = 2: 33.3%)"
+    assert lines[i + 1] == (
+        "     why: zb_h1 runs the weight gradients in ticks where every stage has work and holds at most 3 "
+        "microbatches per stage whatever M, so M = 16: bubble 4.0% (1f1b's 5.9%; GPipe at M = 2: 33.3%)"
     )
     assert lines[i + 2].startswith(
         "     run: spmd-train --config tiny --dcn-mesh stage=2 --mesh fsdp=4 --rules pp_fsdp"

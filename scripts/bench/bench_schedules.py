@@ -6,11 +6,12 @@ step time.
     python scripts/bench/bench_schedules.py flops      # tiny on 8 fake CPU devices, XLA:CPU
     python scripts/bench/bench_schedules.py time [--rounds 3 --steps 4]
 
-`tpu`: the TPU compiler's step (libtpu through jax.experimental.topologies) for gpipe, 1f1b and
-interleaved_1f1b (repeats 2) at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
+`tpu`: the TPU compiler's step (libtpu through jax.experimental.topologies) for gpipe, 1f1b,
+interleaved_1f1b (repeats 2) and zb_h1 at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
 microbatch, so the global batch is M x rows): per-chip peak and temporaries, the bubble analytic
 and counted, microbatch chunks in flight, and bytes sent over `stage`. Memory flat in M is the
-claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most 2 R S - 1.
+claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most 2 R S - 1
+(ZB-H1 as many, and S microbatches' weight-pass inputs besides).
 
 `flops`: the same comparison on XLA:CPU for `tiny` (8 layers) on stage=4,data=2, where the
 compiled matmul FLOPs are parsed (the TPU compiler writes matmuls as convolutions, not parsed),
@@ -27,7 +28,7 @@ import statistics
 import sys
 import time
 
-SCHEDULES = (("gpipe", []), ("1f1b", []), ("interleaved_1f1b", ["pipeline.repeats=2"]))
+SCHEDULES = (("gpipe", []), ("1f1b", []), ("interleaved_1f1b", ["pipeline.repeats=2"]), ("zb_h1", []))
 
 
 def _setup(devices_n: int) -> None:

@@ -307,6 +307,48 @@ def collectives(text: str, mesh, all_branches: bool = False) -> list[Collective]
     return out
 
 
+def scope_runs(text: str, scope: str) -> int:
+    """How many times per step the code of a JAX named scope runs: the trip counts of the loops
+    that hold its instructions (through fusions and calls), not counting loops entered from inside
+    the scope (its own inner loops) — once per run where it is in no loop."""
+    comps, entry = _computations(text)
+    mult = _multipliers(comps, entry)
+    tag = f"/{scope}/"
+    parent, holding = {}, set()
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = re.search(r'op_name="([^"]*)"', m.group(4))
+            inside = bool(op) and tag in op.group(1)
+            if inside:
+                holding.add(comp)
+            for attr, callee in re.findall(
+                r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", m.group(4)
+            ):
+                parent.setdefault(callee, (comp, attr == "body", inside))
+
+    def enclosing_loop(comp):
+        """(the loop body or entry that runs `comp`, whether that loop was entered from inside
+        the scope)."""
+        for _ in range(len(comps)):
+            if comp == entry or comp not in parent:
+                return comp, False
+            caller, is_body, inside = parent[comp]
+            if is_body:
+                return comp, inside
+            comp = caller
+        return comp, False
+
+    loops = {}
+    for comp in holding:
+        loop, from_inside = enclosing_loop(comp)
+        if not from_inside:
+            loops[loop] = mult.get(loop, 0)
+    return sum(loops.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One send between TPU slices (the TPU compiler's megascale transfers: what a collective over

@@ -318,10 +318,10 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
 
 
 def schedule_offers(setup) -> list[tuple[list[str], str]]:
-    """For a layout with a GPipe or circular pipeline: 1F1B (interleaved where it repeats) with as
-    many microbatches as the batch allows up to 8 per stage, (overrides, why); 1F1B holds at most
-    2S - 1 microbatches' activations whatever M, so a larger M costs no memory and shrinks the
-    bubble. Empty without a pipeline or where the schedule is already scheduled."""
+    """For a layout with a GPipe or circular pipeline: 1F1B and ZB-H1 (interleaved 1F1B where it
+    repeats) with as many microbatches as the batch allows up to 8 per stage, (overrides, why);
+    they hold at most 2S - 1 microbatches' activations whatever M, so a larger M costs no memory
+    and shrinks the bubble. Empty without a pipeline or where the schedule is already scheduled."""
     schedule, cfg = setup.plan.schedule, setup.cfg
     if schedule is None or schedule.scheduled:
         return []
@@ -339,9 +339,17 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
     best = max(fits)
     name = "interleaved_1f1b" if R > 1 else "1f1b"
     bubble = (S - 1) / (best * R + S - 1)
-    return [([f"pipeline.schedule={name}", f"pipeline.microbatches={best}"],
-             f"{name} holds at most {min(2 * R * S - 1, R * best)} microbatch chunks per stage whatever M, so "
-             f"M = {best}: bubble {bubble:.1%} (GPipe at M = {schedule.microbatches}: {schedule.bubble_fraction:.1%})")]  # fmt: skip
+    gpipe = f"GPipe at M = {schedule.microbatches}: {schedule.bubble_fraction:.1%}"
+    offers = [([f"pipeline.schedule={name}", f"pipeline.microbatches={best}"],
+               f"{name} holds at most {min(2 * R * S - 1, R * best)} microbatch chunks per stage whatever M, so "
+               f"M = {best}: bubble {bubble:.1%} ({gpipe})")]  # fmt: skip
+    if R == 1:
+        zb = 2 * (S - 1) / (3 * best + 2 * (S - 1))
+        offers.append((["pipeline.schedule=zb_h1", f"pipeline.microbatches={best}"],
+                       f"zb_h1 runs the weight gradients in ticks where every stage has work and holds at most "
+                       f"{min(2 * S - 1, best)} microbatches per stage whatever M, so M = {best}: bubble {zb:.1%} "
+                       f"(1f1b's {bubble:.1%}; {gpipe})"))  # fmt: skip
+    return offers
 
 
 # What spmd-plan offers when the gradients' all-reduce across hosts outlasts the step's compute:

@@ -1,5 +1,5 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and circular (interleaved) schedules
-here; 1F1B and interleaved 1F1B, whose backward runs inside the schedule, in scheduled.py.
+here; 1F1B, interleaved 1F1B and ZB-H1, whose backward runs inside the schedule, in scheduled.py.
 
 GSPMD style, as MaxText does it: the compiler sees one program. The layer stack (a leading
 `layers` axis, which the rules map to `stage`) is viewed as (S stages, R repeats, Gps groups per
@@ -49,10 +49,10 @@ from spmd.parallel.strategy import Attribution, Strategy, rule, squeeze
 
 STAGE_AXIS = "stage"
 
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
 # Schedules whose backward is scheduled with the forward (spmd/parallel/scheduled.py); the others
 # get theirs from autodiff of the forward loop.
-SCHEDULED = ("1f1b", "interleaved_1f1b")
+SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1")
 WITH_REPEATS = ("circular", "interleaved_1f1b")
 
 
@@ -62,7 +62,7 @@ class PipelineConfig:
     stage > 1."""
 
     microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
-    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1
     # circular, interleaved_1f1b: layer groups (chunks) per stage, visited round-robin (divides the
     # bubble)
     repeats: int = 1
@@ -73,13 +73,7 @@ class PipelineConfig:
 
     def check(self) -> list[str]:
         problems = []
-        if self.schedule == "zb_h1":
-            problems.append(
-                "pipeline.schedule = zb_h1 is not available: in one vmapped program every stage runs "
-                "the same pass each tick, so deferring the weight gradients would recompute the "
-                "backward; use 1f1b or interleaved_1f1b (docs/parallelism.md)"
-            )
-        elif self.schedule not in PIPELINE_SCHEDULES:
+        if self.schedule not in PIPELINE_SCHEDULES:
             problems.append(
                 f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}"
             )
@@ -122,17 +116,28 @@ class Schedule:
         return self.name in SCHEDULED
 
     @property
+    def ticks(self) -> "scheduled.Ticks":
+        """The tick plan of a scheduled backward."""
+        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.name == "zb_h1")
+
+    @property
     def iterations(self) -> int:
         """Forward iterations (GPipe, circular), or ticks (1F1B: forward and backward)."""
         if self.scheduled:
-            return scheduled.Ticks(self.stages, self.microbatches, self.repeats).total
+            return self.ticks.total
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of each stage's forward (and backward) slots spent idle: (S - 1) / (M R + S - 1),
-        for every schedule here (scheduled.py's lockstep ticks run the passes S - 1 ticks apart)."""
-        return (self.stages - 1) / (self.microbatches * self.repeats + self.stages - 1)
+        """Share of each stage's pass slots spent idle, a forward, an input-gradient and a
+        weight-gradient pass costing alike: (S - 1) / (M R + S - 1) for every schedule but zb_h1
+        (scheduled.py's lockstep ticks run the forward and backward passes S - 1 ticks apart, each
+        tick's weight gradient with its backward), 2 (S - 1) / (3 M + 2 (S - 1)) for zb_h1 (its M
+        weight-gradient passes run in ticks that have work for every stage)."""
+        S, M, R = self.stages, self.microbatches, self.repeats
+        if self.name == "zb_h1":
+            return 2 * (S - 1) / (3 * M + 2 * (S - 1))
+        return (S - 1) / (M * R + S - 1)
 
     @property
     def in_flight(self) -> int:
@@ -140,7 +145,7 @@ class Schedule:
         autodiff of the forward loop (which saves them for every iteration, idle ones included:
         M R + S - 1), the residual slots of scheduled.py otherwise."""
         if self.scheduled:
-            return scheduled.Ticks(self.stages, self.microbatches, self.repeats).slots
+            return self.ticks.slots
         return self.iterations
 
     def describe(self) -> str:
@@ -385,7 +390,7 @@ def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None
     spmd/parallel/scheduled.py (1F1B, interleaved). `inputs`: the embedding's per-row inputs
     (leading axis B); `head(x_BTD) -> logits`; the rest as `run`'s."""
     rules, mesh = active()
-    S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+    M = schedule.microbatches
     G = jax.tree.leaves(xs)[0].shape[0]
 
     def constrain(x, spec):
@@ -403,7 +408,7 @@ def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None
 
     loss, sums, stats = scheduled.loss(
         layers_fn, embed, inputs, w, side, head=head, tail=tail.fn, rows=tail.rows,
-        ticks=scheduled.Ticks(S, M, R), tail_rules=tail_rules, aux_loss=tail.aux_loss,
+        ticks=schedule.ticks, tail_rules=tail_rules, aux_loss=tail.aux_loss,
         combine_stats=combine_stats or (lambda s, n: s), canonical=canonical, axes=schedule.axes,
         res_spec=inner.spec(x_axes), inner=inner, mesh=mesh, constrain=constrain,
     )  # fmt: skip

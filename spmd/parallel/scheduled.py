@@ -1,4 +1,4 @@
-"""The pipeline's scheduled backward: 1F1B and interleaved 1F1B as one program over `stage`.
+"""The pipeline's scheduled backward: 1F1B, interleaved 1F1B and ZB-H1 as one program over `stage`.
 
 GPipe and circular (spmd/parallel/pipeline.py) get their backward from autodiff of the forward
 loop, so the backward starts after the last microbatch's forward and each stage keeps what its
@@ -27,6 +27,13 @@ stage, its backward at tick m + 2S - 2 - s. Ticks: R M + R S + S - 2, in three p
 - 1 ticks, backwards only). Each stage does R M forwards and R M backwards of a chunk in R M + S - 1
 ticks of each pass: the bubble is (S - 1) / (R M + S - 1), GPipe's and circular's.
 
+ZB-H1 (`Ticks.split`, R = 1) cuts each backward in two (split_backward.py): B, the input's
+gradient, at the tick above, and W, the weights' gradient, for microbatch m on every stage at tick
+m + 2S - 2, when stage 0 runs m's B: the M weight passes run in ticks where every stage has one, so
+a step is (M + S - 1) (F + B) + M W, not (M + S - 1) (F + B + W). What W reads from B (per layer,
+the cotangents at the weight matmuls' outputs) waits in a ring of S slots; the forward residuals W
+also reads stay in theirs, which 2S - 1 slots cover.
+
 The whole schedule is one `jax.custom_vjp` whose forward computes the loss and every gradient (the
 layers', the head's, and the stage-0 input's, which autodiff carries back into the embedding); its
 backward scales them by the loss's cotangent. The loss it returns is the sum of the tail's per
@@ -47,9 +54,12 @@ from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
 from spmd.core.logical import rules_replaced
+from spmd.parallel import split_backward
 
 # The named scopes of the activations' and the gradients' moves between stages.
 FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
+# The named scope of the deferred weight-gradient passes (zero-bubble).
+WEIGHT_SCOPE = "pipeline_weight"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,9 @@ class Ticks:
     stages: int
     microbatches: int
     repeats: int = 1
+    # Zero-bubble (ZB-H1): each backward split into the input's gradient (B, at the backward's
+    # tick) and the weights' (W, deferred to tick m + 2S - 2 on every stage); R = 1 only.
+    split: bool = False
 
     @property
     def total(self) -> int:
@@ -81,6 +94,27 @@ class Ticks:
         forward and their backward (2 R S - 1 for stage 0's first chunk), or all R M if fewer."""
         S, M, R = self.stages, self.microbatches, self.repeats
         return min(2 * R * S - 1, R * M)
+
+    @property
+    def weight_start(self) -> int:
+        """The first tick with a deferred weight-gradient pass (split only)."""
+        return 2 * self.stages - 2
+
+    def phases(self) -> list[tuple[int, int, bool, bool, bool]]:
+        """(first tick, end, forward, backward, weight) of each run of ticks that do the same
+        passes; `weight`: a deferred weight-gradient pass (split), else it is part of backward."""
+        W, E, T = self.warmup, self.steady_end, self.total
+        if not self.split:
+            return [(0, W, True, False, False), (W, E, True, True, False), (E, T, False, True, False)]
+        V = self.weight_start
+        return [(0, W, True, False, False), (W, V, True, True, False), (V, E, True, True, True),
+                (E, T, False, True, True)]  # fmt: skip
+
+    def weight(self, t):
+        """(valid, microbatch) of every stage's deferred weight-gradient pass at tick t: microbatch
+        m's at tick m + 2S - 2, when stage 0 (the last to run m's backward) has run it."""
+        m = t - self.weight_start
+        return (m >= 0) & (m < self.microbatches), m
 
     def _split(self, k):
         S, R = self.stages, self.repeats
@@ -198,7 +232,7 @@ def _schedule(
 
     w_leaves, w_def = jax.tree.flatten(w)
     trained = [False] * len(w_leaves) if trained is None else trained
-    derived = types.SimpleNamespace(fn=None, depends=None)  # set from shapes below
+    derived = types.SimpleNamespace(fn=None, depends=None, cut=None, stage_axes=None)  # set from shapes below
 
     def stage_fwd(x_bTD, w_c, side_b):
         """One chunk forward: (output, stats, residual leaves that are not the weights or side
@@ -230,21 +264,39 @@ def _schedule(
         with rules_replaced(inner):
             return jax.vmap(stored_fwd, spmd_axis_name=axes)(x_SbTD, w_S, side_S)
 
-    def per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S):
+    def one(res, recomputed, w_c, side_b, g, g_stats):
+        """One chunk's backward: (the input's gradient, the trained weights')."""
         treedef, refs = stage_fwd.layout
+        known = jax.tree.leaves((w_c, side_b))
+        stored, recomputed = iter(res), iter(recomputed)
+        leaves = iter([next(stored) if dep else next(recomputed) for dep in derived.depends])
+        leaves = [next(leaves) if ref is None else known[ref] for ref in refs]
+        return jax.tree.unflatten(treedef, leaves)((g, g_stats))
 
-        def one(res, recomputed, w_c, side_b, g, g_stats):
-            known = jax.tree.leaves((w_c, side_b))
-            stored, recomputed = iter(res), iter(recomputed)
-            leaves = iter([next(stored) if dep else next(recomputed) for dep in derived.depends])
-            leaves = [next(leaves) if ref is None else known[ref] for ref in refs]
-            return jax.tree.unflatten(treedef, leaves)((g, g_stats))
-
+    def per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S):
         with rules_replaced(inner):
             # The weight-only residuals, from the stacked weights (outside the vmap: what it
             # traced, such as the dropless MoE's shard_map, already has the stage axis in it).
             recomputed_S = derived.fn(*jax.tree.leaves((w_S, side_S)))
             return jax.vmap(one, spmd_axis_name=axes)(res_S, recomputed_S, w_S, side_S, g_SbTD, g_stats_S)
+
+    def per_stage_input_grad(res_S, w_S, side_S, g_SbTD, g_stats_S):
+        """Split backward, B: (the input's gradient, what the weights' gradient will read)."""
+        with rules_replaced(inner):
+            recomputed_S = derived.fn(*jax.tree.leaves((w_S, side_S)))
+            flat = jax.tree.leaves((res_S, recomputed_S, w_S, side_S, g_SbTD, g_stats_S))
+            (g_in_SbTD,), saved = derived.cut.first(*flat)
+            return g_in_SbTD, [
+                jnp.moveaxis(a, ax, 0) for a, ax in zip(saved, derived.stage_axes, strict=True)
+            ]
+
+    def per_stage_weight_grad(res_S, w_S, side_S, saved_S):
+        """Split backward, W: the trained weights' gradient."""
+        with rules_replaced(inner):
+            recomputed_S = derived.fn(*jax.tree.leaves((w_S, side_S)))
+            given = jax.tree.leaves((res_S, recomputed_S, w_S, side_S))
+            saved = [jnp.moveaxis(a, 0, ax) for a, ax in zip(saved_S, derived.stage_axes, strict=True)]
+            return derived.cut.second(given, saved)
 
     def chunk_of(w, r_S):
         return jax.tree.map(lambda a: a[:, 0], w) if R == 1 else jax.vmap(
@@ -273,6 +325,36 @@ def _schedule(
         )  # fmt: skip
     _, stats0, res0 = jax.eval_shape(per_stage_fwd, x0, w0, side0)
     res_ring = [jnp.zeros((S, K, *r.shape[1:]), r.dtype) for r in res0]
+    saved_ring = []
+    if ticks.split:
+        # The backward cut in two (split_backward.py), from the stages' pullback (traced over the
+        # vmapped stages, as `weight_only` is, so what it traced has the stage axis in it).
+        recomputed0 = jax.eval_shape(derived.fn, *jax.tree.leaves((w0, side0)))
+        args = (res0, recomputed0, w0, side0, x0, stats0)
+        flat_args, args_def = jax.tree.flatten(args)
+
+        def flat_one(*flat):
+            g_x, g_w = one(*jax.tree.unflatten(args_def, flat))
+            return [g_x, *jax.tree.leaves(g_w)]
+
+        with rules_replaced(inner):
+            closed = jax.make_jaxpr(jax.vmap(flat_one, spmd_axis_name=axes))(*flat_args)
+        n_given = len(jax.tree.leaves(args[:4]))
+        later = [i < n_given for i in range(len(flat_args))]
+        derived.cut = split_backward.split(closed, 1, later)
+        # Where the stage axis is in each saved value (vmap puts it where each operation's
+        # batching rule does): the one dimension that changes when the same cut is traced over
+        # another number of stages.
+        probe = S + 5
+        probed = [jax.ShapeDtypeStruct((probe, *a.shape[1:]), a.dtype) for a in flat_args]
+        with rules_replaced(inner):
+            cut_probe = split_backward.split(jax.make_jaxpr(jax.vmap(flat_one))(*probed), 1, later)
+        saved0 = jax.eval_shape(lambda *f: derived.cut.first(*f)[1], *flat_args)
+        saved_probe = jax.eval_shape(lambda *f: cut_probe.first(*f)[1], *probed)
+        derived.stage_axes = [split_backward.moved_axis(a.shape, b.shape, S, probe)
+                              for a, b in zip(saved0, saved_probe, strict=True)]  # fmt: skip
+        saved_ring = [jnp.zeros((S, S, *a.shape[:ax], *a.shape[ax + 1 :]), a.dtype)
+                      for a, ax in zip(saved0, derived.stage_axes, strict=True)]  # fmt: skip
     stats_acc = jax.tree.map(lambda s: jnp.zeros((S, R, *s.shape[1:]), s.dtype), stats0)
     # The gradient of the (linear) auxiliary loss in each microbatch's statistics: a constant.
     stats_ct = None
@@ -286,7 +368,15 @@ def _schedule(
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
     stage_spec = PartitionSpec(axes, *res_spec)
 
-    def body(carry, t, *, fwd: bool, bwd: bool):
+    def add_grads(acc_list, g_w_S, r_S, valid_S):
+        g_w_S = iter(g_w_S)
+        return [
+            None if acc is None else jax.vmap(
+                lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(acc, next(g_w_S), r_S, valid_S)
+            for acc in acc_list
+        ]  # fmt: skip
+
+    def body(carry, t, *, fwd: bool, bwd: bool, wgt: bool):
         c = dict(carry)
         if fwd:
             valid_S, m_S, r_S, k_S = ticks.forward(t, stage_S)
@@ -345,13 +435,15 @@ def _schedule(
             side_S = jax.tree.map(lambda a: a[jnp.clip(m_S, 0, M - 1)], side_M)
             g_stats_S = None if stats_ct is None else jax.tree.map(
                 lambda ct: jax.vmap(lambda a, r: a[r])(ct, r_S), stats_ct)  # fmt: skip
-            g_in_SbTD, g_w_S = per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S)
-            g_w_S = iter(g_w_S)
-            c["g_w"] = [
-                None if acc is None else jax.vmap(
-                    lambda a, x, r, v: a.at[r].add(jnp.where(v, x, jnp.zeros_like(x))))(acc, next(g_w_S), r_S, valid_S)
-                for acc in c["g_w"]
-            ]  # fmt: skip
+            if ticks.split:
+                g_in_SbTD, saved_S = per_stage_input_grad(res_S, w_S, side_S, g_SbTD, g_stats_S)
+                c["saved"] = [
+                    jax.vmap(lambda ring, x, i, v: jnp.where(v, ring.at[i].set(x), ring))(ring, x, jnp.mod(m_S, S), valid_S)
+                    for ring, x in zip(c["saved"], saved_S, strict=True)
+                ]  # fmt: skip
+            else:
+                g_in_SbTD, g_w_S = per_stage_bwd(res_S, w_S, side_S, g_SbTD, g_stats_S)
+                c["g_w"] = add_grads(c["g_w"], g_w_S, r_S, valid_S)
             # Stage 0's first chunk gives the gradient of the microbatch's embedding.
             m0 = jnp.clip(m_S[0], 0, M - 1)
             done = valid_S[0] & (r_S[0] == 0)
@@ -363,12 +455,26 @@ def _schedule(
             g_embed = jax.lax.cond(done, embed_grad, lambda g: zeros(embed_consts), g_in_SbTD[0])
             c["g_embed"] = jax.tree.map(jnp.add, c["g_embed"], g_embed)
             c["state_b"] = constrain(rotate(g_in_SbTD, -1), stage_spec)
+        if wgt:
+            # Every stage's deferred weight gradient of the same microbatch (R = 1: chunk 0).
+            valid, m = ticks.weight(t)
+            m = jnp.clip(m, 0, M - 1)
+            res_S = [ring[:, jnp.mod(m, K)] for ring in c["ring"]]
+            saved_S = [ring[:, jnp.mod(m, S)] for ring in c["saved"]]
+            side_S = jax.tree.map(lambda a: jnp.broadcast_to(a[m], (S, *a.shape[1:])), side_M)
+            zero_S = jnp.zeros(S, jnp.int32)
+            g_w_S = per_stage_weight_grad(res_S, chunk_of(w, zero_S), side_S, saved_S)
+            # The scope marks what runs once per weight pass and cannot be hoisted out of the tick
+            # loop (the dry-run counts its runs): the sum into the gradient carry.
+            with jax.named_scope(WEIGHT_SCOPE):
+                c["g_w"] = add_grads(c["g_w"], g_w_S, zero_S, jnp.broadcast_to(valid, (S,)))
         return c, None
 
     carry = {
         "state_f": constrain(jnp.zeros((S, b, T, D), y_example.dtype), stage_spec),
         "state_b": constrain(jnp.zeros((S, b, T, D), y_example.dtype), stage_spec),
         "ring": res_ring,
+        "saved": saved_ring,
         "stats": stats_acc,
         "g_w": [jnp.zeros_like(a) if t else None for a, t in zip(w_leaves, trained, strict=True)],
         "g_embed": zeros(embed_consts),
@@ -376,13 +482,12 @@ def _schedule(
         "sums": zeros(tail_shapes[1]),
         "g_head": zeros(head_consts),
     }
-    phases = [(0, ticks.warmup, True, False), (ticks.warmup, ticks.steady_end, True, True),
-              (ticks.steady_end, ticks.total, False, True)]  # fmt: skip
-    for start, stop, fwd, bwd in phases:
+    for start, stop, fwd, bwd, wgt in ticks.phases():
         if stop > start:
             carry, _ = jax.lax.scan(
-                lambda c, t, fwd=fwd, bwd=bwd: body(c, t, fwd=fwd, bwd=bwd), carry, jnp.arange(start, stop)
-            )
+                lambda c, t, fwd=fwd, bwd=bwd, wgt=wgt: body(c, t, fwd=fwd, bwd=bwd, wgt=wgt),
+                carry, jnp.arange(start, stop),
+            )  # fmt: skip
     stats = None if stats0 is None else combine_stats(canonical(carry["stats"]), M)
     loss = carry["loss"] + (aux_loss(stats) if stats is not None else 0.0)
     return (loss, carry["sums"], stats), (carry["g_embed"], carry["g_w"], carry["g_head"])
