@@ -118,8 +118,8 @@ def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
 
 
 def test_lora_under_a_scheduled_backward_trains_like_lora_on_one_device(devices):
-    """Only the adapters train; the schedule's gradients of the frozen base are not taken (nor cut
-    out of the backward: ZB-H1's weight pass computes the adapters' gradients alone)."""
+    """Only the adapters train; the schedule's gradients of the frozen base are not taken: ZB-H1's
+    weight pass computes the adapters' gradients alone."""
     lora = ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2"]
     ref_losses, ref_params, _ = run_training(load_config("tiny", lora), "", "fsdp", 3, devices[:1])
     cfg = load_config("tiny", [*lora, *ZB_H1, "pipeline.microbatches=2"])

@@ -150,9 +150,10 @@ class Schedule:
 
     def describe(self) -> str:
         r = f", {self.repeats} repeats" if self.repeats > 1 else ""
+        formula = "2(S-1)/(3M+2(S-1))" if self.name == "zb_h1" else "(S-1)/(M*R+S-1)"
         return (
             f"{self.name} over {self.stages} stages, {self.microbatches} microbatches{r}: "
-            f"bubble {self.bubble_fraction:.1%} ((S-1)/(M*R+S-1)), {self.in_flight} microbatch "
+            f"bubble {self.bubble_fraction:.1%} ({formula}), {self.in_flight} microbatch "
             f"chunks in flight per stage"
         )
 
