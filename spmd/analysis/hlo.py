@@ -33,6 +33,8 @@ _DTYPE_BYTES = {
 }
 _COMP_START = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+# The computations an instruction calls, with the attribute that names each.
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]fn)?)\[([0-9,]*)\]")
 
 
@@ -151,7 +153,7 @@ def _multipliers(comps, entry, all_branches: bool = False) -> dict[str, int]:
                         comps.get(body.group(1), []) if body else [],
                     )
                 )
-            called = re.findall(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", rest)
+            called = _CALLED.findall(rest)
             branches = re.search(r"\bbranch_computations=\{([^}]*)\}", rest) if all_branches else None
             if branches:
                 called += [
@@ -324,9 +326,7 @@ def scope_runs(text: str, scope: str) -> int:
             inside = bool(op) and tag in op.group(1)
             if inside:
                 holding.add(comp)
-            for attr, callee in re.findall(
-                r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)", m.group(4)
-            ):
+            for attr, callee in _CALLED.findall(m.group(4)):
                 parent.setdefault(callee, (comp, attr == "body", inside))
 
     def enclosing_loop(comp):

@@ -55,6 +55,14 @@ class _Plan:
     live_first: set
     live_second: set
 
+    def live(self, which: str) -> set:
+        """The vars a pass reads (which: "first" | "second")."""
+        return self.live_first if which == "first" else self.live_second
+
+    def outs(self, which: str) -> list[bool]:
+        """Which outputs a pass gives."""
+        return self.outs_first if which == "first" else self.outs_second
+
 
 _keys = itertools.count()  # names of the values a cut's first pass hands its second
 
@@ -128,12 +136,12 @@ def _plan(jaxpr, consts, need_first, need_second, later) -> _Plan:
 
 def _cut_invars(eqn, cut, which):
     if isinstance(cut, _CallCut):
-        live = cut.body.live_first if which == "first" else cut.body.live_second
+        live = cut.body.live(which)
         picked = _vars(o for o, b in zip(eqn.invars, cut.body.jaxpr.invars, strict=True) if b in live)
         return picked + (cut.saved_keys if which == "second" else [])
     n_c, n_k, _ = _scan_roles(eqn)
     consts, carries, xs = eqn.invars[:n_c], eqn.invars[n_c : n_c + n_k], eqn.invars[n_c + n_k :]
-    live = cut.body.live_first if which == "first" else cut.body.live_second
+    live = cut.body.live(which)
     own = cut.first_carries if which == "first" else cut.second_carries
     picked = [o for o, b in zip(consts, cut.consts, strict=True) if b in live]
     picked += [carries[i] for i in own]
@@ -195,11 +203,11 @@ def _run(plan: _Plan, env: dict, which: str):
             env.update(zip(eqn.outvars, out, strict=True))
         elif kind == "cut" and isinstance(cut, _CallCut):
             inner = {b: _read(env, o) for o, b in zip(eqn.invars, cut.body.jaxpr.invars, strict=True)
-                     if b in (cut.body.live_first if which == "first" else cut.body.live_second)}  # fmt: skip
+                     if b in cut.body.live(which)}  # fmt: skip
             if which == "second":
                 inner.update(zip(cut.body.saved, [env[k] for k in cut.saved_keys], strict=True))
             _run(cut.body, inner, which)
-            wanted = cut.body.outs_first if which == "first" else cut.body.outs_second
+            wanted = cut.body.outs(which)
             env.update(
                 (o, _read(inner, b))
                 for o, b, w in zip(eqn.outvars, cut.body.jaxpr.outvars, wanted, strict=True)
@@ -215,7 +223,7 @@ def _run_cut(eqn, cut: _ScanCut, env, which):
     n_c, n_k, _ = _scan_roles(eqn)
     o_consts, o_carries, o_xs = eqn.invars[:n_c], eqn.invars[n_c : n_c + n_k], eqn.invars[n_c + n_k :]
     body = cut.body
-    live = body.live_first if which == "first" else body.live_second
+    live = body.live(which)
     own = cut.first_carries if which == "first" else cut.second_carries
     const_pairs = [(b, _read(env, o)) for o, b in zip(o_consts, cut.consts, strict=True) if b in live]
     x_pairs = [(b, o) for o, b in zip(o_xs, cut.xs, strict=True) if b in live]
@@ -224,9 +232,7 @@ def _run_cut(eqn, cut: _ScanCut, env, which):
         xs += [env[k] for k in cut.saved_keys]
     n_x = len(x_pairs)
     outs = body.jaxpr.outvars
-    ys_wanted = [
-        i for i in range(n_k, len(outs)) if (body.outs_first if which == "first" else body.outs_second)[i]
-    ]
+    ys_wanted = [i for i in range(n_k, len(outs)) if body.outs(which)[i]]
 
     def step(carry, x):
         inner = dict((b, v) for b, v in const_pairs)
