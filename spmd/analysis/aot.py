@@ -56,7 +56,8 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
     which nothing reads, may be left out by the compiler where that tick is not in a loop: each
     pass is counted as the longer of the two. zb_h1's deferred weight-gradient passes send nothing:
     they are counted as the runs of their named scope in the compiled step (`text`), and the
-    bubble as the idle share of all three passes' ticks."""
+    bubble as the idle share of all three passes' ticks. With M = S the first weight pass has a tick
+    of its own, in no loop, and XLA:CPU's step counts one short there (3 of 4 at S = M = 4)."""
     schedule = plan.schedule
     if schedule is None:
         return None
@@ -90,6 +91,7 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
         "repeats": schedule.repeats,
         "iterations": schedule.iterations,
         "bubble_fraction": schedule.bubble_fraction,
+        "bubble_formula": schedule.bubble_formula,
         "ticks_counted": ticks,
         "bubble_counted": bubble,
         "in_flight": schedule.in_flight,

@@ -337,18 +337,17 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
     if not fits:
         return []
     best = max(fits)
-    name = "interleaved_1f1b" if R > 1 else "1f1b"
-    bubble = (S - 1) / (best * R + S - 1)
+    one = dataclasses.replace(schedule, microbatches=best, kind="interleaved_1f1b" if R > 1 else "1f1b")
     gpipe = f"GPipe at M = {schedule.microbatches}: {schedule.bubble_fraction:.1%}"
-    offers = [([f"pipeline.schedule={name}", f"pipeline.microbatches={best}"],
-               f"{name} holds at most {min(2 * R * S - 1, R * best)} microbatch chunks per stage whatever M, so "
-               f"M = {best}: bubble {bubble:.1%} ({gpipe})")]  # fmt: skip
+    offers = [([f"pipeline.schedule={one.name}", f"pipeline.microbatches={best}"],
+               f"{one.name} holds at most {one.in_flight} microbatch chunks per stage whatever M, so "
+               f"M = {best}: bubble {one.bubble_fraction:.1%} ({gpipe})")]  # fmt: skip
     if R == 1:
-        zb = 2 * (S - 1) / (3 * best + 2 * (S - 1))
+        zb = dataclasses.replace(one, kind="zb_h1")
         offers.append((["pipeline.schedule=zb_h1", f"pipeline.microbatches={best}"],
                        f"zb_h1 runs the weight gradients in ticks where every stage has work and holds at most "
-                       f"{min(2 * S - 1, best)} microbatches per stage whatever M, so M = {best}: bubble {zb:.1%} "
-                       f"(1f1b's {bubble:.1%}; {gpipe})"))  # fmt: skip
+                       f"{zb.in_flight} microbatches per stage whatever M, so M = {best}: bubble "
+                       f"{zb.bubble_fraction:.1%} (1f1b's {one.bubble_fraction:.1%}; {gpipe})"))  # fmt: skip
     return offers
 
 

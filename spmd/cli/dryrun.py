@@ -129,8 +129,7 @@ def print_report(r: dict) -> None:
         print(
             f"pipeline: {pp['schedule']}, {pp['stages']} stages x {pp['microbatches']} microbatches"
             + (f" x {pp['repeats']} repeats" if pp["repeats"] > 1 else "")
-            + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = "
-            + ("2(S-1)/(3M+2(S-1))" if pp["schedule"] == "zb_h1" else "(S-1)/(M*R+S-1)")
+            + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = {pp['bubble_formula']}"
             + (
                 f" (counted in the compiled step: {pp['bubble_counted']:.1%}; ticks forward "
                 f"{pp['ticks_counted']['forward']}, backward {pp['ticks_counted']['backward']}"

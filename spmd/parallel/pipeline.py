@@ -140,6 +140,11 @@ class Schedule:
         return (S - 1) / (M * R + S - 1)
 
     @property
+    def bubble_formula(self) -> str:
+        """`bubble_fraction` in S, M and R."""
+        return "2(S-1)/(3M+2(S-1))" if self.name == "zb_h1" else "(S-1)/(M*R+S-1)"
+
+    @property
     def in_flight(self) -> int:
         """Microbatch chunks whose saved activations a stage holds at once, at most: all R M under
         autodiff of the forward loop (which saves them for every iteration, idle ones included:
@@ -150,10 +155,9 @@ class Schedule:
 
     def describe(self) -> str:
         r = f", {self.repeats} repeats" if self.repeats > 1 else ""
-        formula = "2(S-1)/(3M+2(S-1))" if self.name == "zb_h1" else "(S-1)/(M*R+S-1)"
         return (
             f"{self.name} over {self.stages} stages, {self.microbatches} microbatches{r}: "
-            f"bubble {self.bubble_fraction:.1%} ({formula}), {self.in_flight} microbatch "
+            f"bubble {self.bubble_fraction:.1%} ({self.bubble_formula}), {self.in_flight} microbatch "
             f"chunks in flight per stage"
         )
 
