@@ -13,23 +13,26 @@ L, B, D, F = 3, 4, 8, 16  # layers, rows, width, hidden
 
 
 def _stack(seed):
-    k = jax.random.split(jax.random.key(seed), 4)
-    w = {"up": jax.random.normal(k[0], (L, D, F)), "down": jax.random.normal(k[1], (L, F, D)) / 4,
-         "scale": 1 + jax.random.normal(k[2], (D,)) / 8}  # fmt: skip
+    k = jax.random.split(jax.random.key(seed), 5)
+    w = {"up": jax.random.normal(k[0], (L, D, F)), "gate": jax.random.normal(k[4], (L, D, F)) / 2,
+         "down": jax.random.normal(k[1], (L, F, D)) / 4, "scale": 1 + jax.random.normal(k[2], (D,)) / 8}  # fmt: skip
     return w, jax.random.normal(k[3], (B, D))
 
 
 def _layers(x_BD, w, remat=False):
-    """A residual MLP stack scanned over layers; `scale` is shared by every layer (the scan's
+    """A residual gated-MLP stack scanned over layers; `scale` is shared by every layer (the scan's
     constant, whose gradient the backward scan carries). `remat`: each layer recomputed in the
     backward (a remat region inside the backward scan's body)."""
 
     def layer(h_BD, wl):
-        up_DF, down_FD = wl
-        u_BF = jnp.tanh((h_BD * w["scale"][None, :]) @ up_DF)
-        return h_BD + u_BF @ down_FD, jnp.sum(u_BF**2)
+        up_DF, gate_DF, down_FD = wl
+        hs_BD = h_BD * w["scale"][None, :]
+        a_BF = hs_BD @ up_DF
+        u_BF = jnp.tanh(a_BF) * (hs_BD @ gate_DF)
+        return h_BD + u_BF @ down_FD, jnp.sum(a_BF**2)
 
-    h_BD, stats_L = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x_BD, (w["up"], w["down"]))
+    layers = (w["up"], w["gate"], w["down"])
+    h_BD, stats_L = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x_BD, layers)
     return h_BD, stats_L
 
 
@@ -81,13 +84,23 @@ def test_each_backward_matmul_runs_once_and_the_weight_pass_reads_per_layer_cota
     _, saved = cut.first(*res, g, g_stats)
     first = _dots(lambda *a: cut.first(*a), *res, g, g_stats)
     second = _dots(lambda r, s: cut.second(r, s), res, saved)
-    # Per layer: B runs dh = du @ down^T and dh_in = dv @ up^T (after the layer's first matmul
-    # again, under remat: its output is what tanh's gradient reads); W runs down's and up's.
-    assert (first, second) == ((3 if remat else 2) * L, 2 * L)
+    # Per layer: B runs du = dy @ down^T and the scaled input's gradient from up's and gate's
+    # (after their forward matmuls again, under remat: tanh's gradient and the product's read
+    # them); W runs down's, up's and gate's.
+    assert (first, second) == ((5 if remat else 3) * L, 3 * L)
     assert first + second == _dots(backward, res, g, g_stats)
-    # What W reads from B: per layer, the cotangents at the two matmuls' outputs (and the scaled
-    # input's, for `scale`), stacked over the layers; nothing whole-batch beyond them.
-    assert all(a.shape[0] == L for a in saved)
+    # What W reads from B, stacked over the layers: the cotangents at the three matmuls' outputs
+    # and, under remat, the matmuls' recomputed inputs, each once: the scaled input once for up and
+    # gate, the gated product (not the two factors only W would multiply); `scale`'s gradient
+    # leaves B finished per layer (a row, not the two activations it is summed from). Without
+    # remat the inputs are the forward's residuals, which W is given, and W sums `scale`'s
+    # gradient from one of them and the cotangent at the scaled input.
+    shapes = sorted(a.shape for a in saved)
+    cotangents = [(L, B, D), (L, B, F), (L, B, F)]
+    if remat:
+        assert shapes == sorted([*cotangents, (L, B, D), (L, B, F), (L, D)])
+    else:
+        assert shapes == sorted([*cotangents, (L, B, D)])
 
 
 def test_moved_axis_finds_the_axis_that_changed_length():

@@ -13,8 +13,18 @@ The layer scan is cut inside its body (the first scan returns, stacked per layer
 scan's body reads), and so are remat regions and nested jits, to any depth; any other equation
 that both passes need (a custom-VJP kernel, a shard_map) runs whole in the first pass and hands
 its other outputs over.
+
+What the first pass hands over waits, in a pipeline, for several microbatches, so the cut is
+placed where that is small. W keeps the weight-gradient matmuls and what reads their results; the
+cheap equations that only feed them (elementwise, layout and reductions) run in the first pass
+when it has their inputs, so W reads each matmul's operands (a gated product, not its two
+factors) and the finished gradient of a cheap weight (a norm's scale: one row per layer, not the
+two activations it is summed from). A layout change (a reshape, a cast) of a value the first pass
+computed is run again in the second when that saves no more than it does: one normalized input,
+not one reshaped copy for each projection that reads it.
 """
 
+import collections
 import dataclasses
 import itertools
 
@@ -48,12 +58,13 @@ class _CallCut:
 class _Plan:
     jaxpr: jax_core.Jaxpr
     consts: list
-    steps: list  # (pass, eqn, cut or None) in program order; pass "first" | "second" | "cut"
+    steps: list  # (pass, eqn, cut or None) in program order; pass "first" | "second" | "both" | "cut"
     outs_first: list[bool]
     outs_second: list[bool]
     saved: list  # the vars (or cut keys) the first pass defines and the second reads
     live_first: set
     live_second: set
+    given_second: set  # the invars the second pass is given
 
     def live(self, which: str) -> set:
         """The vars a pass reads (which: "first" | "second")."""
@@ -75,6 +86,15 @@ def _is_scan(eqn) -> bool:
     return eqn.primitive.name == "scan" and "ft_in" in eqn.params
 
 
+# Layout changes, which the second pass may rerun on a value it is handed (`_push`), and the cheap
+# primitives the second pass hands to the first when they read only what the first has (`_pull`).
+_LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type", "copy"}  # fmt: skip
+_CHEAP = _LAYOUT | {
+    "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "log", "logistic",
+    "tanh", "rsqrt", "sqrt", "integer_pow", "square", "select_n", "reduce_sum", "reduce_max",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+}  # fmt: skip
+
 # Calls whose body runs inline where they are: remat regions (the backward's recomputation) and
 # nested jits. Cutting them lets the weight gradients inside leave the first pass.
 _CALLS = ("remat2", "jit")
@@ -93,6 +113,20 @@ def _scan_roles(eqn):
 def _plan(jaxpr, consts, need_first, need_second, later) -> _Plan:
     """Which equations each pass runs, for outputs `need_first` now and `need_second` later;
     `later[i]`: invar i is given to the second pass too (else it is saved if the second reads it)."""
+    steps, live_first = _assign(jaxpr, need_first, need_second)
+    available = set(v for v, given in zip(jaxpr.invars, later, strict=True) if not given)
+    available |= live_first & set(jaxpr.invars)
+    steps = _pull(steps, available | set(jaxpr.constvars))
+    while True:
+        plan = _finish(jaxpr, consts, steps, need_first, need_second, later)
+        pushed = _push(plan)
+        if not pushed:
+            return plan
+        steps = [(pushed.get(id(eqn), kind), eqn, cut) for kind, eqn, cut in steps]
+
+
+def _assign(jaxpr, need_first, need_second):
+    """Each equation to the pass that needs its outputs: (steps, the vars the first pass reads)."""
     live_first = set(_vars(v for v, n in zip(jaxpr.outvars, need_first, strict=True) if n))
     live_second = set(_vars(v for v, n in zip(jaxpr.outvars, need_second, strict=True) if n))
     steps = []
@@ -116,6 +150,83 @@ def _plan(jaxpr, consts, need_first, need_second, later) -> _Plan:
             steps.append(("second", eqn, None))
             live_second.update(_vars(eqn.invars))
     steps.reverse()
+    return steps, live_first
+
+
+def _cheap(eqn) -> bool:
+    """Elementwise, layout or a reduction (through nested jits): no matmul, no collective."""
+    if eqn.primitive.name in _CHEAP:
+        return True
+    if eqn.primitive.name in ("jit", "custom_jvp_call", "custom_vjp_call"):
+        body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        body = body.jaxpr if isinstance(body, jax_core.ClosedJaxpr) else body
+        return all(_cheap(e) for e in body.eqns)
+    return False
+
+
+def _pull(steps, available):
+    """Second-pass equations that are cheap and read only what the first pass has, run in the first
+    pass instead: W then reads the weight matmuls' operands (one value each) and the finished
+    gradients of the cheap weights (a norm's scale: a row of numbers, not two activations),
+    rather than everything those were computed from."""
+    out = []
+    for kind, eqn, cut in steps:
+        ins = _vars(eqn.invars)
+        if kind == "second" and ins and _cheap(eqn) and all(v in available for v in ins):
+            kind = "first"
+        if kind == "first":
+            available.update(_vars(eqn.outvars))
+        elif kind == "cut" and isinstance(cut, _CallCut):
+            available.update(_vars(o for o, f in zip(eqn.outvars, cut.body.outs_first, strict=True) if f))
+        elif kind == "cut":
+            n_c, n_k, _ = _scan_roles(eqn)
+            available.update(eqn.outvars[i] for i in cut.first_carries)
+            available.update(
+                _vars(o for o, f in zip(eqn.outvars[n_k:], cut.body.outs_first[n_k:], strict=True) if f)
+            )
+        out.append((kind, eqn, cut))
+    return out
+
+
+def _bytes(v) -> int:
+    return v.aval.size * v.aval.dtype.itemsize
+
+
+def _push(plan):
+    """{id(equation): its new pass} for saved values that a layout change made from another value:
+    the second pass reruns the change when its input is smaller, saved or given anyway, or read
+    by more than one such change (three projections' reshapes of one normalized input save it
+    once); a change that would only move work into W stays where it is."""
+    held = set(plan.saved) | plan.given_second | set(plan.jaxpr.constvars)
+    changes = [
+        eqn
+        for kind, eqn, _ in plan.steps
+        if kind == "first"
+        and eqn.primitive.name in _LAYOUT
+        and len(_vars(eqn.invars)) == 1
+        and any(v in plan.saved for v in eqn.outvars)
+    ]
+    readers = collections.Counter(_vars(eqn.invars)[0] for eqn in changes)
+    pushed = {}
+    for eqn in changes:
+        (x,) = _vars(eqn.invars)
+        if x in held or readers[x] > 1 or _bytes(x) < sum(_bytes(v) for v in eqn.outvars):
+            pushed[id(eqn)] = "both" if any(v in plan.live_first for v in eqn.outvars) else "second"
+    return pushed
+
+
+def _finish(jaxpr, consts, steps, need_first, need_second, later) -> _Plan:
+    """The plan of `steps`: what each pass reads, and what the first hands the second."""
+    live_first = set(_vars(v for v, n in zip(jaxpr.outvars, need_first, strict=True) if n))
+    live_second = set(_vars(v for v, n in zip(jaxpr.outvars, need_second, strict=True) if n))
+    for kind, eqn, cut in reversed(steps):
+        if kind in ("first", "both"):
+            live_first.update(_vars(eqn.invars))
+        if kind in ("second", "both"):
+            live_second.update(_vars(eqn.invars))
+        if kind == "cut":
+            live_first.update(_cut_invars(eqn, cut, "first"))
+            live_second.update(_cut_invars(eqn, cut, "second"))
     defined_first = [v for v, given in zip(jaxpr.invars, later, strict=True) if not given]
     for kind, eqn, cut in steps:
         if kind == "first":
@@ -131,7 +242,10 @@ def _plan(jaxpr, consts, need_first, need_second, later) -> _Plan:
             )
             defined_first += cut.saved_keys
     saved = [v for v in dict.fromkeys(defined_first) if v in live_second]
-    return _Plan(jaxpr, consts, steps, list(need_first), list(need_second), saved, live_first, live_second)
+    given = set(v for v, g in zip(jaxpr.invars, later, strict=True) if g)
+    return _Plan(
+        jaxpr, consts, steps, list(need_first), list(need_second), saved, live_first, live_second, given
+    )
 
 
 def _cut_invars(eqn, cut, which):
@@ -198,7 +312,7 @@ def _run(plan: _Plan, env: dict, which: str):
     for v, c in zip(plan.jaxpr.constvars, plan.consts, strict=True):
         env[v] = c
     for kind, eqn, cut in plan.steps:
-        if kind == which:
+        if kind == which or kind == "both":
             out = _bind(eqn, [_read(env, v) for v in eqn.invars])
             env.update(zip(eqn.outvars, out, strict=True))
         elif kind == "cut" and isinstance(cut, _CallCut):
