@@ -112,3 +112,26 @@ def test_an_async_collective_fusion_is_one_collective():
         ("all-gather", ("fsdp",), 256 * 512 * 2, 1, "start"),
         ("all-gather", ("fsdp",), 256 * 512 * 2, 1, "main"),
     ]
+
+
+def test_a_conditional_branch_counts_at_the_share_of_runs_that_take_it():
+    """A scan of 8 ticks whose matmul runs, under a named scope, in a `lax.cond` taken on 2 of
+    them: the first branch (idle) alone counts nothing; the branch's share counts its 2 runs."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x_NK, w_KM):
+        def tick(acc_NM, t):
+            def live(a):
+                with jax.named_scope("tail"):
+                    return a + x_NK @ w_KM
+
+            return jax.lax.cond(t % 4 == 0, live, lambda a: a, acc_NM), None
+
+        return jax.lax.scan(tick, jnp.zeros((16, 8)), jnp.arange(8))[0]
+
+    text = jax.jit(f).lower(jnp.ones((16, 32)), jnp.ones((32, 8))).compile().as_text()
+    one = 2 * 16 * 32 * 8
+    assert hlo.matmul_flops(text) == 0
+    assert hlo.matmul_flops(text, {"tail": 2 / 8}) == 2 * one
+    assert hlo.matmul_flops(text, {"other": 1.0}) == 0

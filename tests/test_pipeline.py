@@ -315,6 +315,19 @@ def test_1f1b_runs_the_work_gpipe_runs(scheduled_dry_runs):
         )
 
 
+def test_interleaved_1f1b_runs_the_work_circular_runs(devices):
+    """Circular's passes, and the head and loss on each microbatch once: with R > 1 they run in a
+    conditional on the ticks where a microbatch leaves its last chunk, which the count weighs by
+    that share of the ticks (counting its idle branch alone would leave the head out)."""
+    flops = {}
+    for name in ("circular", "interleaved_1f1b"):
+        setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
+            *DEEP, "train.seq_len=32", "train.global_batch_size=32", f"pipeline.schedule={name}",
+            "pipeline.repeats=2", "pipeline.microbatches=4"])  # fmt: skip
+        flops[name] = dry_run(setup)["compiled_matmul_flops_per_device"]
+    assert flops["interleaved_1f1b"] == pytest.approx(flops["circular"], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -377,7 +377,9 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "model_flops_per_step": flops,
         "model_flops_per_device": flops / mesh.size,
         # What the program runs: recomputation and idle pipeline stages included.
-        "compiled_matmul_flops_per_device": hlo.matmul_flops(text),
+        "compiled_matmul_flops_per_device": hlo.matmul_flops(
+            text, plan.schedule.ticks.branch_shares if plan.schedule and plan.schedule.scheduled else None
+        ),
         # Attention is the model's only Pallas kernel: its launches per step, and per layer.
         "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
         "kernel_calls_per_layer": calls / figures.n_layers,

@@ -125,10 +125,31 @@ def _counter_step(body, index: int) -> int:
     return 1
 
 
-def _multipliers(comps, entry, all_branches: bool = False) -> dict[str, int]:
+def _holds_scope(comps, comp: str, tag: str) -> bool:
+    """Whether `comp`, or a computation it calls, holds an instruction of the named scope `tag`."""
+    todo, seen = [comp], {comp}
+    while todo:
+        for line in comps.get(todo.pop(), []):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = re.search(r'op_name="([^"]*)"', m.group(4))
+            if op and tag in op.group(1):
+                return True
+            for _, callee in _CALLED.findall(m.group(4)):
+                if callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    return False
+
+
+def _multipliers(comps, entry, all_branches: bool = False, taken: dict[str, float] | None = None) -> dict:
     """How many times each computation runs per execution of the entry computation.
     `all_branches`: every branch of a conditional counted as if it ran (an upper bound: one does);
-    else only the first is followed."""
+    else only the first is followed, except that a two-way conditional with a branch holding a
+    scope named in `taken` ({scope: share of the conditional's runs that take that branch}, which
+    the program that made the conditional knows) counts that branch at its share and the other
+    at the rest."""
     mult = collections.defaultdict(int)
     mult[entry] = 1
     order = [entry]
@@ -153,19 +174,36 @@ def _multipliers(comps, entry, all_branches: bool = False) -> dict[str, int]:
                         comps.get(body.group(1), []) if body else [],
                     )
                 )
-            called = _CALLED.findall(rest)
-            branches = re.search(r"\bbranch_computations=\{([^}]*)\}", rest) if all_branches else None
-            if branches:
-                called += [
-                    ("branch_computations", b) for b in re.findall(r"%([\w.\-]+)", branches.group(1))[1:]
-                ]
-            for attr, callee in called:
+            called = [(attr, callee, 1) for attr, callee in _CALLED.findall(rest)]
+            branches = re.search(r"\bbranch_computations=\{([^}]*)\}", rest)
+            names = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
+            shares = _branch_shares(comps, names, taken) if names else None
+            if shares:
+                called = [(a, c, f) for a, c, f in called if a != "branch_computations"]
+                called += [("branch_computations", b, share) for b, share in zip(names, shares, strict=True)]
+            elif names and all_branches:
+                called += [("branch_computations", b, 1) for b in names[1:]]
+            for attr, callee, share in called:
                 factor = trips if attr in ("body", "condition") else 1
-                mult[callee] += mult[comp] * factor
+                mult[callee] += mult[comp] * factor * share
                 if callee not in seen:
                     seen.add(callee)
                     order.append(callee)
     return mult
+
+
+def _branch_shares(comps, names, taken) -> list[float] | None:
+    """Each branch's share of a two-way conditional's runs, where one branch holds a scope of
+    `taken`."""
+    if not taken or len(names) != 2:
+        return None
+    for scope, share in taken.items():
+        held = [_holds_scope(comps, b, f"/{scope}/") for b in names]
+        if held == [False, True]:
+            return [1 - share, share]
+        if held == [True, False]:
+            return [share, 1 - share]
+    return None
 
 
 def _iota_groups(spec: str) -> np.ndarray | None:
@@ -427,13 +465,15 @@ def library_fusions(text: str, kind: str) -> dict[str, list[tuple[str, str, str,
     return out
 
 
-def matmul_flops(text: str) -> float | None:
+def matmul_flops(text: str, taken: dict[str, float] | None = None) -> float | None:
     """FLOPs of every dot in the optimised module per step (per device): 2 x result elements x
     contracted size, weighted by the trip counts of the loops around it. Counts what the program
-    runs, idle pipeline stages and recomputation included, where model FLOPs count the math.
-    None for a module with convolutions (the TPU compiler's matmuls)."""
+    runs, idle pipeline stages and recomputation included, where model FLOPs count the math. A
+    conditional counts its first branch, or, where a branch holds a scope of `taken` ({scope:
+    share of the runs that take it}), each branch at its share. None for a module with
+    convolutions (the TPU compiler's matmuls)."""
     comps, entry = _computations(text)
-    mult = _multipliers(comps, entry)
+    mult = _multipliers(comps, entry, taken=taken)
     total = 0.0
     for comp, lines in comps.items():
         if not mult.get(comp):

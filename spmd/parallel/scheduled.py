@@ -60,6 +60,9 @@ from spmd.parallel import split_backward
 FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
 # The named scope of the deferred weight-gradient passes (zero-bubble).
 WEIGHT_SCOPE = "pipeline_weight"
+# The named scope of the head and loss on the microbatch leaving the last stage, run conditionally
+# when R > 1 (its share of the ticks is `Ticks.branch_shares`).
+TAIL_SCOPE = "pipeline_tail"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,17 @@ class Ticks:
         V = self.weight_start
         return [(0, W, True, False, False), (W, V, True, True, False), (V, E, True, True, True),
                 (E, T, False, True, True)]  # fmt: skip
+
+    @property
+    def branch_shares(self) -> dict[str, float]:
+        """{named scope: share of the ticks of its pass that run it} for each conditional of the
+        schedule whose work a count of the compiled step must weigh (`hlo.matmul_flops`): with
+        R > 1 the tail runs on M of the steady ticks (R M + S - 1 - (R S - 1) of them), where a
+        microbatch leaves its last chunk. Stage 0's embedding gradient is conditional too, with no
+        matmul."""
+        if self.repeats == 1:
+            return {}
+        return {TAIL_SCOPE: self.microbatches / (self.steady_end - self.warmup)}
 
     def weight(self, t):
         """(valid, microbatch) of every stage's deferred weight-gradient pass at tick t: microbatch
@@ -411,8 +425,9 @@ def _schedule(
                 rows_b = jax.tree.map(lambda a: a[m_t], rows_M)
 
                 def live(y_bTD):
-                    (loss, sums), pull = jax.vjp(lambda h, y: tail_loss(h, y, rows_b), head_consts, y_bTD)
-                    g_head, g_y = pull((jnp.ones_like(loss), zeros(sums)))
+                    with jax.named_scope(TAIL_SCOPE):
+                        (loss, sums), pull = jax.vjp(lambda h, y: tail_loss(h, y, rows_b), head_consts, y_bTD)
+                        g_head, g_y = pull((jnp.ones_like(loss), zeros(sums)))
                     return loss, sums, g_head, g_y
 
                 def idle(y_bTD):
