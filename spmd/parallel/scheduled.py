@@ -31,8 +31,9 @@ ZB-H1 (`Ticks.split`, R = 1) cuts each backward in two (split_backward.py): B, t
 gradient, at the tick above, and W, the weights' gradient, for microbatch m on every stage at tick
 m + 2S - 2, when stage 0 runs m's B: the M weight passes run in ticks where every stage has one, so
 a step is (M + S - 1) (F + B) + M W, not (M + S - 1) (F + B + W). What W reads from B (per layer,
-the cotangents at the weight matmuls' outputs) waits in a ring of S slots; the forward residuals W
-also reads stay in theirs, which 2S - 1 slots cover.
+each weight matmul's operands: the cotangent at its output and, under remat, its recomputed input)
+waits in a ring of S slots; the forward residuals W also reads stay in theirs, which 2S - 1 slots
+cover.
 
 The whole schedule is one `jax.custom_vjp` whose forward computes the loss and every gradient (the
 layers', the head's, and the stage-0 input's, which autodiff carries back into the embedding); its
