@@ -44,6 +44,8 @@ PINNED = {
     # (models.layers.embed_rows), so each device scatter-adds every fsdp peer's rows into its own
     # columns instead of its own rows into the whole table before a reduction: step 8 moved back
     # by that 1 ulp (5.1792192459106445 before). The one-device trajectory did not move either time.
+    # Recorded on an Intel VM with AMX; AMD machines are compared with it too (as before the
+    # per-CPU table, not re-recorded there).
     "fsdp=2,tensor=2": [
         5.609000205993652,
         5.593021392822266,
@@ -56,6 +58,14 @@ PINNED = {
         5.008784294128418,
         4.69998836517334,
     ],
+}
+# The same on an Intel VM without AMX (AVX-512 only, 2026-12-06): step 8 1 ulp lower, the same bits
+# in repeated runs there and on the code of 2026-12-05. The one-device trajectory is the same on
+# both Intel kinds.
+FSDP_TENSOR = {
+    "GenuineIntel+amx": PINNED["fsdp=2,tensor=2"],
+    "AuthenticAMD": PINNED["fsdp=2,tensor=2"],
+    "GenuineIntel": [*PINNED["fsdp=2,tensor=2"][:7], 5.1792192459106445, *PINNED["fsdp=2,tensor=2"][8:]],
 }
 GOLDEN_RULES = pathlib.Path(__file__).parent / "golden" / "rules_resolved.json"
 
@@ -70,6 +80,16 @@ def cpu_vendor() -> str:
     return "unknown"
 
 
+def cpu_kind() -> str:
+    """The vendor, and `+amx` for an Intel CPU with AMX tiles."""
+    vendor = cpu_vendor()
+    try:
+        amx = "amx_tile" in pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amx = False
+    return vendor + ("+amx" if amx and vendor == "GenuineIntel" else "")
+
+
 def test_tiny_loss_on_one_device_is_bit_identical(single_device_run):
     vendor = cpu_vendor()
     if vendor not in ONE_DEVICE:
@@ -79,9 +99,12 @@ def test_tiny_loss_on_one_device_is_bit_identical(single_device_run):
 
 
 def test_tiny_loss_on_fsdp_tensor_is_bit_identical(tiny_cfg, devices):
+    kind = cpu_kind()
+    if kind not in FSDP_TENSOR:
+        pytest.skip(f"no fsdp x tensor trajectory recorded for a {kind} CPU")
     with product_codegen():  # as users' runs compile (conftest)
         losses, _, _ = run_training(tiny_cfg, "fsdp=2,tensor=2", "fsdp_tp", 10, devices=devices[:4])
-    assert [float(x) for x in losses] == PINNED["fsdp=2,tensor=2"]
+    assert [float(x) for x in losses] == FSDP_TENSOR[kind]
 
 
 def test_every_preset_resolves_to_its_recorded_table():
