@@ -154,7 +154,8 @@ def _assign(jaxpr, need_first, need_second):
 
 
 def _cheap(eqn) -> bool:
-    """Elementwise, layout or a reduction (through nested jits): no matmul, no collective."""
+    """Elementwise, layout or a reduction, or a nested jit or custom-derivative call made only of
+    those (the SwiGLU product): no matmul, no collective."""
     if eqn.primitive.name in _CHEAP:
         return True
     if eqn.primitive.name in ("jit", "custom_jvp_call", "custom_vjp_call"):
