@@ -55,6 +55,8 @@ LAYOUTS += [
     # ZB-H1: the backward cut into input and weight gradients through FSDP and tensor-parallel
     # matmuls and remat regions (its forward and B pass are 1F1B's).
     ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=save_dots"]),
+    # ... and with the residual stream split over tensor along the sequence (what W waits with too).
+    ("pp_fsdp_tp_sp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=full"]),
     ("pp", "stage=4,data=2", [*INTERLEAVED, "pipeline.microbatches=4", "model.remat=save_dots"]),
     (
         str(RULES / "pp_cp_ring.toml"),

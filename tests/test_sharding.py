@@ -109,7 +109,8 @@ PRESET_CASES = [
     ("tiny", "cp_ulysses", "fsdp=4,context=2"), ("tiny", "allgather", "fsdp=2,context=4"),
     ("tiny-moe", "ep", "data=2,expert=2,tensor=2"), ("tiny-moe", "fsdp_ep", "fsdp=2,expert=4"),
     ("tiny", "pp", "stage=2,data=4"), ("tiny", "pp_fsdp", "stage=2,fsdp=4"),
-    ("tiny", "pp_fsdp_tp", "stage=2,fsdp=2,tensor=2"), ("tiny-gpt2", "fsdp_tp", "fsdp=4,tensor=2"),
+    ("tiny", "pp_fsdp_tp", "stage=2,fsdp=2,tensor=2"), ("tiny", "pp_fsdp_tp_sp", "stage=2,fsdp=2,tensor=2"),
+    ("tiny-gpt2", "fsdp_tp", "fsdp=4,tensor=2"),
     ("tiny-gpt2", "pp_fsdp", "stage=2,fsdp=4"), ("tiny-qwen3", "fsdp_tp", "fsdp=4,tensor=2"),
 ]  # fmt: skip
 COMPILE_ALL = """

@@ -175,7 +175,7 @@ def schedule_for(
     if stage_size > 1 and STAGE_AXIS not in used:
         raise UserError(
             f"the mesh has stage={stage_size} but rules {rules.name!r} do not map the logical axis "
-            f"`layers` to it; use a pipeline preset (pp, pp_fsdp, pp_fsdp_tp) or add "
+            f"`layers` to it; use a pipeline preset (pp, pp_fsdp, pp_fsdp_tp, pp_fsdp_tp_sp) or add "
             f'`layers = "stage"` to the rules'
         )
     if not split:
