@@ -175,18 +175,23 @@ def _pull(steps, available):
         ins = _vars(eqn.invars)
         if kind == "second" and ins and _cheap(eqn) and all(v in available for v in ins):
             kind = "first"
-        if kind == "first":
-            available.update(_vars(eqn.outvars))
-        elif kind == "cut" and isinstance(cut, _CallCut):
-            available.update(_vars(o for o, f in zip(eqn.outvars, cut.body.outs_first, strict=True) if f))
-        elif kind == "cut":
-            n_c, n_k, _ = _scan_roles(eqn)
-            available.update(eqn.outvars[i] for i in cut.first_carries)
-            available.update(
-                _vars(o for o, f in zip(eqn.outvars[n_k:], cut.body.outs_first[n_k:], strict=True) if f)
-            )
+        available.update(_defined_first(kind, eqn, cut))
         out.append((kind, eqn, cut))
     return out
+
+
+def _defined_first(kind, eqn, cut) -> list:
+    """What a step defines in the first pass: a first-pass equation's outputs, or a cut's
+    first-pass outputs and the keys of what it saves."""
+    if kind == "first":
+        return _vars(eqn.outvars)
+    if kind != "cut":
+        return []
+    if isinstance(cut, _CallCut):
+        return _vars(o for o, f in zip(eqn.outvars, cut.body.outs_first, strict=True) if f) + cut.saved_keys
+    n_c, n_k, _ = _scan_roles(eqn)
+    ys = _vars(o for o, f in zip(eqn.outvars[n_k:], cut.body.outs_first[n_k:], strict=True) if f)
+    return [eqn.outvars[i] for i in cut.first_carries] + ys + cut.saved_keys
 
 
 def _bytes(v) -> int:
@@ -230,18 +235,7 @@ def _finish(jaxpr, consts, steps, need_first, need_second, later) -> _Plan:
             live_second.update(_cut_invars(eqn, cut, "second"))
     defined_first = [v for v, given in zip(jaxpr.invars, later, strict=True) if not given]
     for kind, eqn, cut in steps:
-        if kind == "first":
-            defined_first += _vars(eqn.outvars)
-        elif kind == "cut" and isinstance(cut, _CallCut):
-            defined_first += _vars(o for o, f in zip(eqn.outvars, cut.body.outs_first, strict=True) if f)
-            defined_first += cut.saved_keys
-        elif kind == "cut":
-            n_c, n_k, _ = _scan_roles(eqn)
-            defined_first += [eqn.outvars[i] for i in cut.first_carries]
-            defined_first += _vars(
-                o for o, f in zip(eqn.outvars[n_k:], cut.body.outs_first[n_k:], strict=True) if f
-            )
-            defined_first += cut.saved_keys
+        defined_first += _defined_first(kind, eqn, cut)
     saved = [v for v in dict.fromkeys(defined_first) if v in live_second]
     given = set(v for v, g in zip(jaxpr.invars, later, strict=True) if g)
     return _Plan(
