@@ -56,24 +56,25 @@ def default_rules(meta: dict) -> str:
 
 
 def load(path: str, step: int | None, mesh_spec: str, rules_name: str | None, overrides=(),
-         batch: int | None = None, decoding: bool = False, objective: bool = False) -> Loaded:  # fmt: skip
+         batch: int | None = None, decoding: bool = False, objective: bool = False,
+         devices=None) -> Loaded:  # fmt: skip
     """Restore a checkpoint's parameters (never its optimizer state) onto `mesh_spec` x rules
     (default: the run's own rules). `batch`: the batch the steps are compiled for (default the
     run's global batch; 0: the smallest the mesh splits). `decoding`: for KV-cache generation
     (see Rules.for_decoding). `objective`: keep the run's train.objective (its eval step scores
     preference pairs); otherwise the model is loaded as a language model. The latest checkpoint
     of a live run that its retention deletes while it is read is read again at the new latest,
-    and said."""
+    and said. `devices`: the devices the mesh is built of (default: all of them)."""
     try:
-        return _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective)
+        return _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective, devices)
     except ckpt.Rotated as e:
         if step is not None:
             raise
         log(f"note: {e}; reading the newest checkpoint again")
-        return _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective)
+        return _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective, devices)
 
 
-def _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective) -> Loaded:
+def _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objective, devices) -> Loaded:
     directory, latest = ckpt.locate(path)
     if step is not None:
         if step not in ckpt.committed_steps(directory):
@@ -94,6 +95,7 @@ def _load(path, step, mesh_spec, rules_name, overrides, batch, decoding, objecti
         overrides=overrides,
         optimizer=False,
         decoding=decoding,
+        devices=devices,
         # the run's global batch, or the one --set asks for
         batch_size=batch if batch is not None else apply_overrides(cfg, overrides).train.global_batch_size,
     )
