@@ -311,6 +311,7 @@ def describe_run(
         f"config {cfg.name}: {plan.family.name}, {figures.params:,} params, {cfg.model.n_layers} layers, "
         f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}",
         f"attention: {setup.attention}",
+        *([f"matmuls: {setup.choices.describe_matmul()}"] if setup.choices.platform == "cpu" else []),
         f"lowering: {setup.choices.lowering.describe()}",
         f"mesh: {format_mesh(setup.mesh.shape)} over {len(devices)} {devices[0].platform} devices "
         f"({n_proc} process{'es' if n_proc > 1 else ''}); rules: {setup.rules.name}",

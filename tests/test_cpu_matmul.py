@@ -1,4 +1,5 @@
-"""cpu.matmul: CPU train and eval steps run their matmuls in oneDNN (spmd/platform/cpu_matmul.py)."""
+"""cpu.matmul: CPU train and eval steps run their matmuls in oneDNN where the CPU multiplies the
+compute dtype in hardware (spmd/platform/cpu_matmul.py)."""
 
 import re
 import textwrap
@@ -44,7 +45,7 @@ def _dots_by_library(text):
 
 
 def test_cpu_steps_run_their_matmuls_in_onednn_and_compute_the_same_loss():
-    """With `onednn` (the default) the dots of the bf16 train step and of the eval step run in
+    """With `onednn` the dots of the bf16 train step and of the eval step run in
     oneDNN (a few that give fp32 from bf16, attention's dp, may stay in YNNPACK), the weight
     gradients x^T g included, none in Eigen; with `xla` XLA:CPU keeps its own libraries and hands
     those to Eigen. The first step's loss is the same computation either way (equal to fp32
@@ -93,8 +94,35 @@ def test_onednn_programs_may_be_dropped_while_they_run():
     assert run_fresh(DROPPED_PROGRAMS.format(n=60)) == {"programs": 120, "fallbacks": 0}
 
 
+@pytest.mark.parametrize(
+    "flags, dtype, library",
+    [
+        ((), "float32", "onednn"),
+        (("avx512f",), "bfloat16", "xla"),  # oneDNN would emulate bf16: XLA's libraries convert to fp32
+        (("avx512f", "avx512_bf16"), "bfloat16", "onednn"),
+        (("avx512f", "amx_bf16"), "bfloat16", "onednn"),
+        (("avx512f", "amx_bf16"), "float16", "xla"),
+        (("avx512f", "avx512_fp16"), "float16", "onednn"),
+    ],
+)
+def test_auto_runs_onednn_where_the_cpu_multiplies_the_dtype_in_hardware(monkeypatch, flags, dtype, library):
+    from spmd.assembly import policy
+    from spmd.platform import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "_cpu_flags", lambda: frozenset(flags))
+    assert policy.matmul("auto", "cpu", dtype) == library
+    assert policy.matmul_reason("auto", "cpu", dtype).startswith(
+        "this CPU multiplies" if library == "onednn" else f"this CPU has no {dtype}"
+    )
+    # asked for by name, a library is what runs; off the CPU neither
+    assert policy.matmul("onednn", "cpu", dtype) == "onednn" and policy.matmul("xla", "cpu", dtype) == "xla"
+    assert policy.matmul("auto", "gpu", dtype) == "xla" and policy.matmul_reason("auto", "gpu", dtype) == ""
+    cfg = load_config("tiny", [f"model.dtype={dtype}"])
+    assert assemble(cfg, "", "dp", devices=jax.devices()[:1]).choices.matmul == library
+
+
 def test_cpu_matmul_rejects_an_unknown_library():
-    with pytest.raises(UserError, match=r"cpu.matmul must be one of onednn, xla, got 'mkl'"):
+    with pytest.raises(UserError, match=r"cpu.matmul must be one of auto, onednn, xla, got 'mkl'"):
         load_config("tiny", ["cpu.matmul=mkl"])
 
 

@@ -125,7 +125,7 @@ def jax_attention(s: dict):
         return vjp(do)
 
     # Compiled as the train step compiles attention on CPU (cpu.matmul's default).
-    options = cpu_matmul.compiler_options(policy.matmul("onednn", jax.devices()[0].platform))
+    options = cpu_matmul.compiler_options(policy.matmul("auto", jax.devices()[0].platform, "float32"))
     compiled = cpu_matmul.keep(jax.jit(fwd_bwd, compiler_options=options).lower(q, k, v, do).compile())
     temps = compiled.memory_analysis().temp_size_in_bytes
     base = rss_bytes()
@@ -166,7 +166,7 @@ def jax_moe(s: dict):
         return vjp(dy)
 
     # Compiled as the train step compiles the layer on CPU (cpu.matmul's default).
-    fwd_bwd = cpu_matmul.jit(fwd_bwd, policy.matmul("onednn", jax.devices()[0].platform))
+    fwd_bwd = cpu_matmul.jit(fwd_bwd, policy.matmul("auto", jax.devices()[0].platform, "float32"))
 
     def step():
         jax.block_until_ready(fwd_bwd(params, x, dy))

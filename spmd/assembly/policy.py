@@ -33,7 +33,7 @@ from spmd.kernels import tuning
 from spmd.kernels.splash_attention import MIN_BLOCK as SPLASH_BLOCK
 from spmd.kernels.splash_attention import supported as splash_supported
 from spmd.parallel.dataparallel import GRAD_REDUCE
-from spmd.platform.cpu_matmul import CPU_MATMUL
+from spmd.platform import cpu_matmul
 from spmd.platform.hostmem import HOST_HEAP
 
 # On CPU, `auto` switches from plain to chunked attention at this many positions (memory O(T)).
@@ -57,8 +57,9 @@ class CpuConfig:
     checked, as an error)."""
 
     # Library for the matmuls of CPU train/eval steps (spmd/platform/cpu_matmul.py): "onednn" (as PyTorch's
-    # CPU backend) or "xla" (XLA:CPU's own choice: YNNPACK, Eigen)
-    matmul: str = "onednn"
+    # CPU backend), "xla" (XLA:CPU's own choice: YNNPACK, Eigen), or "auto": oneDNN where the CPU
+    # multiplies the compute dtype in hardware (bf16: AVX-512 BF16 or AMX), else XLA's own
+    matmul: str = "auto"
     # Host memory of XLA:CPU programs (spmd/platform/hostmem.py): "tbbmalloc" relaunches the command under
     # Intel's scalable allocator (the `tbb` wheel; large blocks cached apart from small objects),
     # "retain" keeps glibc's freed heap memory for reuse (each step's temporaries are not faulted in
@@ -72,7 +73,11 @@ class CpuConfig:
 
     def check(self) -> list[str]:
         problems = []
-        for key, choices in (("matmul", CPU_MATMUL), ("host_heap", HOST_HEAP), ("grad_reduce", GRAD_REDUCE)):
+        for key, choices in (
+            ("matmul", cpu_matmul.CPU_MATMUL),
+            ("host_heap", HOST_HEAP),
+            ("grad_reduce", GRAD_REDUCE),
+        ):
             if getattr(self, key) not in choices:
                 problems.append(f"cpu.{key} must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         return problems
@@ -144,10 +149,24 @@ def _attention(name, seq_len, platform, dtype, device_kind, head_dim, packed) ->
     return name, ""
 
 
-def matmul(setting: str, platform: str) -> str:
-    """The matmul library of step programs under `cpu.matmul = setting`: oneDNN on CPU when asked,
-    else XLA's own ("xla")."""
-    return "onednn" if platform == "cpu" and setting == "onednn" else "xla"
+def matmul(setting: str, platform: str, dtype: str = "float32") -> str:
+    """The matmul library of step programs computing in `dtype` under `cpu.matmul = setting`: oneDNN
+    on CPU when asked, or under `auto` where the CPU multiplies `dtype` in hardware; else XLA's own
+    ("xla")."""
+    if platform != "cpu":
+        return "xla"
+    if setting == "auto":
+        return "onednn" if cpu_matmul.in_hardware(dtype) else "xla"
+    return setting
+
+
+def matmul_reason(setting: str, platform: str, dtype: str) -> str:
+    """Why `auto` runs the CPU matmuls where it does, for the log ("" where nothing was chosen)."""
+    if platform != "cpu" or setting != "auto":
+        return ""
+    if cpu_matmul.in_hardware(dtype):
+        return f"this CPU multiplies {dtype} in hardware"
+    return f"this CPU has no {dtype} matmul instructions, which oneDNN would emulate far slower"
 
 
 def grad_reduce(setting: str, platform: str, processes: int) -> str:
@@ -179,6 +198,7 @@ class Choices:
     train_options: dict | None
     kv_cache_per_layer: bool
     attention_reason: str = ""  # why `auto` chose `attention` (for the log)
+    matmul_reason: str = ""  # why cpu.matmul = auto chose `matmul` (for the log)
     lowering: Lowering = Lowering()  # how the model's platform-dependent pieces lower
     # the cross-entropy without a float32 copy of the logits (spmd.training.loss): on accelerators, where
     # the logits' memory and passes count; CPU runs keep optax's (their pinned trajectories)
@@ -204,6 +224,10 @@ class Choices:
             + note
             + why
         )
+
+    def describe_matmul(self) -> str:
+        """For the log on CPU, e.g. "xla (auto: this CPU has no bfloat16 matmul instructions, ...)"."""
+        return f"{self.matmul} (auto: {self.matmul_reason})" if self.matmul_reason else self.matmul
 
     def to_json(self) -> dict:
         return {
@@ -235,7 +259,8 @@ def resolve(cfg, platform: str, device_kind: str = "") -> Choices:
         attention_requested=cfg.model.attention_impl,
         attention=impl,
         attention_reason=reason,
-        matmul=matmul(cfg.cpu.matmul, platform),
+        matmul=matmul(cfg.cpu.matmul, platform, cfg.model.dtype),
+        matmul_reason=matmul_reason(cfg.cpu.matmul, platform, cfg.model.dtype),
         grad_reduce=grad_reduce(cfg.cpu.grad_reduce, platform, jax.process_count()),
         init_options=dict(INIT_OPTIONS_CPU) if cpu else None,
         train_options=dict(TRAIN_OPTIONS_CPU) if cpu else None,
