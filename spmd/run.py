@@ -289,7 +289,7 @@ def describe_run(
     cfg, plan = setup.cfg, setup.plan
     T, B = cfg.train.seq_len, cfg.train.global_batch_size
     figures = plan.family.figures(cfg.model, T)
-    peak, peak_how = peak_flops(cfg.model.dtype)
+    peak, peak_how = peak_flops(cfg.model.dtype, setup.choices.matmul)
     resolved = {
         **setup.to_json(),
         "model": {

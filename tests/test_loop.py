@@ -317,3 +317,19 @@ def test_metrics_that_cannot_be_written_stop_the_run_with_one_error(tmp_path):
         writer.write({"step": 3, "loss": 1.0})
     assert e.value.exit_code == 3
     writer.close()
+
+
+def test_the_cpu_peak_is_measured_in_the_steps_matmul_library(tmp_path, monkeypatch):
+    """MFU's ceiling on CPU is the rate of the library the steps run their matmuls in
+    (cpu.matmul): each library's rate is measured and cached apart, and the log says which."""
+    from spmd.loop import metrics
+
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
+    asked = []
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype, library: asked.append(library) or 1e9)
+    _, how = metrics.peak_flops("float32", "onednn")
+    assert asked == ["onednn"] and "float32 matmul in onednn on cpu" in how and how.startswith("measured now")
+    _, how = metrics.peak_flops("float32", "xla")
+    assert asked == ["onednn", "xla"] and "matmul in xla" in how
+    _, how = metrics.peak_flops("float32", "onednn")
+    assert asked == ["onednn", "xla"] and how.startswith("measured earlier, cached")

@@ -36,10 +36,13 @@ def _host_count() -> int:
     return len(set(np.asarray(multihost_utils.process_allgather(mine)).ravel().tolist()))
 
 
-def measure_matmul_flops(dtype: str, n: int = MATMUL_N, reps: int = 7) -> float:
-    """Median FLOP/s of an n x n matmul on device 0 of the default backend."""
+def measure_matmul_flops(dtype: str, n: int = MATMUL_N, reps: int = 7, library: str = "xla") -> float:
+    """Median FLOP/s of an n x n matmul on device 0 of the default backend; on CPU in `library`
+    (spmd.assembly.policy.matmul: what the steps run their matmuls in)."""
+    from spmd.platform import cpu_matmul
+
     x = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), jax.devices()[0])
-    f = jax.jit(lambda a, b: a @ b)
+    f = cpu_matmul.jit(lambda a, b: a @ b, library)
     f(x, x).block_until_ready()
     times = []
     for _ in range(reps):
@@ -49,11 +52,12 @@ def measure_matmul_flops(dtype: str, n: int = MATMUL_N, reps: int = 7) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def peak_flops(dtype: str) -> tuple[float, str]:
+def peak_flops(dtype: str, library: str = "xla") -> tuple[float, str]:
     """(peak FLOP/s of the whole job, how it was obtained).
 
     On CPU the fake devices share the host's cores, so one host's measured matmul rate is the peak
-    of all its devices together; it is measured once per host kind and dtype and cached.
+    of all its devices together; it is measured once per host kind, dtype and matmul `library`
+    (the steps': a rate measured in another library is not the steps' ceiling) and cached.
     """
     device = jax.devices()[0]
     known = chip_for(device.device_kind) if device.platform != "cpu" else None
@@ -62,11 +66,11 @@ def peak_flops(dtype: str) -> tuple[float, str]:
         return chip.peak_flops * jax.device_count(), (
             f"table: {chip.device_kinds[0]} {chip.peak_flops / 1e12:.0f} TFLOP/s/device x {jax.device_count()}"
         )
-    key = f"{device.platform}|{device.device_kind}|{dtype}|{os.cpu_count()}|jax {jax.__version__}"
+    key = f"{device.platform}|{device.device_kind}|{dtype}|{library}|{os.cpu_count()}|jax {jax.__version__}"
     path = cache_dir() / "peak_flops.json"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if key not in cached:
-        cached[key] = measure_matmul_flops(dtype)
+        cached[key] = measure_matmul_flops(dtype, library=library)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(cached, indent=1))
@@ -77,7 +81,8 @@ def peak_flops(dtype: str) -> tuple[float, str]:
     per_host = cached[key]
     hosts = _host_count()
     return per_host * hosts, (
-        f"{how}: {MATMUL_N}x{MATMUL_N} {dtype} matmul on {device.platform} = {per_host / 1e9:.1f} GFLOP/s per host"
+        f"{how}: {MATMUL_N}x{MATMUL_N} {dtype} matmul in {library} on {device.platform} = {per_host / 1e9:.1f} "
+        "GFLOP/s per host"
         f" x {hosts} host{'s' if hosts > 1 else ''}"
     )
 
