@@ -23,6 +23,7 @@ RULES = pathlib.Path(__file__).parent / "fixtures" / "rules"
 ONE_F_ONE_B = ["pipeline.schedule=1f1b"]
 INTERLEAVED = ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]
 ZB_H1 = ["pipeline.schedule=zb_h1"]
+INTERLEAVED_ZB = ["pipeline.schedule=interleaved_zb", "pipeline.repeats=2"]
 
 
 def _n_devices(mesh: str) -> int:
@@ -57,6 +58,12 @@ LAYOUTS += [
     ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=save_dots"]),
     # ... and with the residual stream split over tensor along the sequence (what W waits with too).
     ("pp_fsdp_tp_sp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=full"]),
+    # Interleaved zero-bubble: the split backward on two chunks per stage (stored permuted).
+    (
+        "pp_fsdp_tp",
+        "stage=2,fsdp=2,tensor=2",
+        [*INTERLEAVED_ZB, "pipeline.microbatches=4", "model.remat=full"],
+    ),
     ("pp", "stage=4,data=2", [*INTERLEAVED, "pipeline.microbatches=4", "model.remat=save_dots"]),
     (
         str(RULES / "pp_cp_ring.toml"),
@@ -146,7 +153,7 @@ def _records(run_dir):
 
 
 def test_checkpoint_moves_out_of_and_into_a_pipeline(tmp_path, deep_single):
-    """Circular stage=4 -> fsdp=8 (no pipeline) -> interleaved 1F1B stage=2 with tensor: the moved
+    """Circular stage=4 -> fsdp=8 (no pipeline) -> interleaved zero-bubble stage=2 with tensor: the moved
     run continues with the unmoved run's losses (checkpoints hold the canonical layer order)."""
     ref_losses = deep_single[0]
     common = ["--config", "tiny", "--host-devices", "8", "--set", "model.n_layers=8", "--set",
@@ -173,7 +180,7 @@ def test_checkpoint_moves_out_of_and_into_a_pipeline(tmp_path, deep_single):
                 "--set",
                 "pipeline.microbatches=2",
                 "--set",
-                "pipeline.schedule=interleaved_1f1b",
+                "pipeline.schedule=interleaved_zb",
                 "--set",
                 "pipeline.repeats=2",
             ],
@@ -256,14 +263,15 @@ def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipel
 
 @pytest.fixture(scope="module")
 def scheduled_dry_runs(devices):
-    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe, 1F1B and ZB-H1 with
-    M = 8 and 16 microbatches of 8 sequences each."""
+    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe, 1F1B, ZB-H1 and
+    interleaved zero-bubble (2 repeats) with M = 8 and 16 microbatches of 8 sequences each."""
     out = {}
-    for name in ("gpipe", "1f1b", "zb_h1"):
+    for name in ("gpipe", "1f1b", "zb_h1", "interleaved_zb"):
+        repeats = ["pipeline.repeats=2"] if name == "interleaved_zb" else []
         for m in (8, 16):
             setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
                 *DEEP, "model.remat=full", "train.seq_len=32", f"train.global_batch_size={8 * m}",
-                f"pipeline.schedule={name}", f"pipeline.microbatches={m}"])  # fmt: skip
+                f"pipeline.schedule={name}", f"pipeline.microbatches={m}", *repeats])  # fmt: skip
             out[name, m] = dry_run(setup)
     return out
 
@@ -286,6 +294,7 @@ def test_1f1b_holds_a_fixed_number_of_microbatches_and_counts_the_bubble_gpipe_h
     assert temp["gpipe", 16] - temp["gpipe", 8] > 8 * 2 * one_microbatch
     assert abs(temp["1f1b", 16] - temp["1f1b", 8]) < one_microbatch
     assert abs(temp["zb_h1", 16] - temp["zb_h1", 8]) < one_microbatch
+    assert abs(temp["interleaved_zb", 16] - temp["interleaved_zb", 8]) < one_microbatch
 
 
 def test_zb_h1_defers_the_weight_gradients_into_ticks_every_stage_has_work(scheduled_dry_runs):
@@ -305,6 +314,32 @@ def test_zb_h1_defers_the_weight_gradients_into_ticks_every_stage_has_work(sched
         # three alike, ZB-H1 saves (S - 1) / (3 (M + S - 1)) of 1F1B's layer FLOPs.
         saved = 1 - zb["compiled_matmul_flops_per_device"] / one["compiled_matmul_flops_per_device"]
         assert 0.5 * (S - 1) / (3 * (m + S - 1)) < saved <= (S - 1) / (3 * (m + S - 1))
+
+
+def test_interleaved_zb_idles_a_third_of_what_1f1b_idles(scheduled_dry_runs):
+    """Two chunks per stage halve the forward and input-gradient passes' idle ticks (each a chunk),
+    and the weight passes run where every stage has one: counted in the compiled step, each stage
+    idles (S - 1) pass-lengths per step against 1F1B's 3 (S - 1) (ZB-H1's published bubble, in one
+    lockstep program). W's operands wait chunk-sized, so it holds less than ZB-H1; and the work
+    1F1B does in its bubble is not compiled."""
+    S, R = 4, 2
+    temp = {k: r["per_device_bytes"]["temporaries"] for k, r in scheduled_dry_runs.items()}
+    for m in (8, 16):
+        zb, one = scheduled_dry_runs["interleaved_zb", m], scheduled_dry_runs["1f1b", m]
+        pp = zb["pipeline"]
+        analytic = 2 * (S - 1) / (3 * R * m + 2 * (S - 1))
+        assert pp["ticks_counted"] == {"forward": R * m + S - 1, "backward": R * m + S - 1, "weight": R * m}
+        assert pp["bubble_fraction"] == analytic and pp["bubble_counted"] == pytest.approx(analytic)
+        assert pp["in_flight"] == 2 * R * S - 1
+        # Idle over useful work (the same 3 M pass-lengths for both).
+        idle = lambda b: b / (1 - b)  # noqa: E731
+        assert idle(pp["bubble_counted"]) <= idle(one["pipeline"]["bubble_counted"]) / 3 * (1 + 1e-9)
+        assert pp["bubble_counted"] < scheduled_dry_runs["zb_h1", m]["pipeline"]["bubble_counted"]
+        # 1F1B's layers cost (M + S - 1) (F + B + W); these (M + (S - 1) / 2) (F + B) + M W.
+        saved = 1 - zb["compiled_matmul_flops_per_device"] / one["compiled_matmul_flops_per_device"]
+        expected = 2 * (S - 1) / (3 * (m + S - 1))
+        assert 0.5 * expected < saved <= expected
+        assert temp["interleaved_zb", m] < temp["zb_h1", m]
 
 
 def test_1f1b_runs_the_work_gpipe_runs(scheduled_dry_runs):
@@ -335,13 +370,18 @@ def test_interleaved_1f1b_runs_the_work_circular_runs(devices):
     [
         (
             ["pipeline.schedule=zb_h1", "pipeline.repeats=2"],
-            "needs pipeline.schedule = circular or interleaved_1f1b",
+            "needs pipeline.schedule = circular, interleaved_1f1b or interleaved_zb",
         ),
-        (["pipeline.schedule=interleaved_1f1b"], "needs pipeline.repeats >= 2"),
+        (["pipeline.schedule=interleaved_1f1b"], "needs pipeline.repeats >= 2 .* it is 1f1b"),
+        (["pipeline.schedule=interleaved_zb"], "needs pipeline.repeats >= 2 .* it is zb_h1"),
         (
             ["pipeline.schedule=1f1b", "pipeline.repeats=2"],
-            "needs pipeline.schedule = circular or interleaved_1f1b",
+            "needs pipeline.schedule = circular, interleaved_1f1b or interleaved_zb",
         ),
+        (
+            [*INTERLEAVED_ZB, "pipeline.microbatches=6"],
+            "interleaved_zb runs microbatches in groups of the 4 stages",
+        ),  # fmt: skip
         (
             ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "pipeline.microbatches=6"],
             "must be a multiple of 4",

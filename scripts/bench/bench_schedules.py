@@ -7,7 +7,7 @@ step time.
     python scripts/bench/bench_schedules.py time [--rounds 3 --steps 4]
 
 `tpu`: the TPU compiler's step (libtpu through jax.experimental.topologies) for gpipe, 1f1b,
-interleaved_1f1b (repeats 2) and zb_h1 at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
+interleaved_1f1b (repeats 2), zb_h1 and interleaved_zb (repeats 2; `--set pipeline.repeats=R` for another) at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
 microbatch, so the global batch is M x rows): per-chip peak and temporaries, the bubble analytic
 and counted, microbatch chunks in flight, and bytes sent over `stage`. Memory flat in M is the
 claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most 2 R S - 1
@@ -28,7 +28,8 @@ import statistics
 import sys
 import time
 
-SCHEDULES = (("gpipe", []), ("1f1b", []), ("interleaved_1f1b", ["pipeline.repeats=2"]), ("zb_h1", []))
+SCHEDULES = (("gpipe", []), ("1f1b", []), ("interleaved_1f1b", ["pipeline.repeats=2"]), ("zb_h1", []),
+             ("interleaved_zb", ["pipeline.repeats=2"]))  # fmt: skip
 
 
 def _setup(devices_n: int) -> None:
@@ -66,8 +67,9 @@ def tpu(args) -> None:
                 )
                 continue
             pp, mem = r["pipeline"], r["per_device_bytes"]
+            label = f"{name} (R={pp['repeats']})" if pp["repeats"] > 1 else name
             print(
-                f"| {name} | {m} | {fmt_bytes(mem['peak'])} | {fmt_bytes(mem['temporaries'])} | "
+                f"| {label} | {m} | {fmt_bytes(mem['peak'])} | {fmt_bytes(mem['temporaries'])} | "
                 f"{pp['bubble_fraction']:.1%} | {pp['bubble_counted']:.1%} | {pp['in_flight']} | "
                 f"{fmt_bytes(pp['collective_permute_bytes'] + pp['other_stage_bytes'])} |",
                 flush=True,
@@ -91,6 +93,8 @@ def flops(args) -> None:
         flat = dry_run(assemble("tiny", "data=8", "dp", overrides=[*base, *batch], devices=devices))
         f0 = flat["compiled_matmul_flops_per_device"]
         for name, extra in SCHEDULES:
+            if args.schedules and name not in args.schedules:
+                continue
             overrides = [*base, *batch, f"pipeline.schedule={name}", f"pipeline.microbatches={m}", *extra]
             r = dry_run(assemble("tiny", "stage=4,data=2", "pp", overrides=overrides, devices=devices))
             b = r["pipeline"]["bubble_counted"]
@@ -150,6 +154,7 @@ def main() -> None:
     t.add_argument("--set", nargs="*", default=[])
     f = sub.add_parser("flops")
     f.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    f.add_argument("--schedules", nargs="*", default=[])
     s = sub.add_parser("time")
     s.add_argument("--m", type=int, default=8)
     s.add_argument("--rounds", type=int, default=3)

@@ -54,10 +54,11 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
     the backward pass its gradient back; their executions in the compiled step, loop trip counts
     multiplied in, are the ticks each pass took, of which R M did work. The pass's last move,
     which nothing reads, may be left out by the compiler where that tick is not in a loop: each
-    pass is counted as the longer of the two. zb_h1's deferred weight-gradient passes send nothing:
-    they are counted as the runs of their named scope in the compiled step (`text`), and the
-    bubble as the idle share of all three passes' ticks. With M = S the first weight pass has a tick
-    of its own, in no loop, and XLA:CPU's step counts one short there (3 of 4 at S = M = 4)."""
+    pass is counted as the longer of the two. The split schedules' (zb_h1, interleaved_zb) deferred
+    weight-gradient passes send nothing: they are counted as the runs of their named scope in the
+    compiled step (`text`), and the bubble as the idle share of all three passes' ticks. With M =
+    S the first weight pass has a tick of its own, in no loop, and XLA:CPU's step counts one short
+    there (3 of 4 at S = M = 4)."""
     schedule = plan.schedule
     if schedule is None:
         return None
@@ -69,7 +70,7 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
     per_pass = max(ticks.values())
     work = schedule.repeats * schedule.microbatches
     bubble = 1 - work / per_pass if per_pass else None
-    if schedule.name == "zb_h1":
+    if schedule.split:
         from spmd.analysis import hlo
 
         ticks["weight"] = hlo.scope_runs(text, scheduled.WEIGHT_SCOPE)

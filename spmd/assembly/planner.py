@@ -318,10 +318,11 @@ def search(cfg, devices: int, budget: int, hw: dict, dcn: int = 1, axes=None, ca
 
 
 def schedule_offers(setup) -> list[tuple[list[str], str]]:
-    """For a layout with a GPipe or circular pipeline: 1F1B and ZB-H1 (interleaved 1F1B where it
-    repeats) with as many microbatches as the batch allows up to 8 per stage, (overrides, why);
-    they hold at most 2S - 1 microbatches' activations whatever M, so a larger M costs no memory
-    and shrinks the bubble. Empty without a pipeline or where the schedule is already scheduled."""
+    """For a layout with a GPipe or circular pipeline: 1F1B and ZB-H1 (interleaved 1F1B and
+    interleaved zero-bubble where it repeats) with as many microbatches as the batch allows up to 8
+    per stage, (overrides, why); they hold at most 2 R S - 1 microbatch chunks' activations whatever
+    M, so a larger M costs no memory and shrinks the bubble. Empty without a pipeline or where the
+    schedule is already scheduled."""
     schedule, cfg = setup.plan.schedule, setup.cfg
     if schedule is None or schedule.scheduled:
         return []
@@ -342,12 +343,12 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
     offers = [([f"pipeline.schedule={one.name}", f"pipeline.microbatches={best}"],
                f"{one.name} holds at most {one.in_flight} microbatch chunks per stage whatever M, so "
                f"M = {best}: bubble {one.bubble_fraction:.1%} ({gpipe})")]  # fmt: skip
-    if R == 1:
-        zb = dataclasses.replace(one, kind="zb_h1")
-        offers.append((["pipeline.schedule=zb_h1", f"pipeline.microbatches={best}"],
-                       f"zb_h1 runs the weight gradients in ticks where every stage has work and holds at most "
-                       f"{zb.in_flight} microbatches per stage whatever M, so M = {best}: bubble "
-                       f"{zb.bubble_fraction:.1%} (1f1b's {one.bubble_fraction:.1%}; {gpipe})"))  # fmt: skip
+    zb = dataclasses.replace(one, kind="interleaved_zb" if R > 1 else "zb_h1")
+    held = "microbatch chunks" if R > 1 else "microbatches"
+    offers.append(([f"pipeline.schedule={zb.name}", f"pipeline.microbatches={best}"],
+                   f"{zb.name} runs the weight gradients in ticks where every stage has work and holds at most "
+                   f"{zb.in_flight} {held} per stage whatever M, so M = {best}: bubble "
+                   f"{zb.bubble_fraction:.1%} ({one.name}'s {one.bubble_fraction:.1%}; {gpipe})"))  # fmt: skip
     return offers
 
 

@@ -1,5 +1,6 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and circular (interleaved) schedules
-here; 1F1B, interleaved 1F1B and ZB-H1, whose backward runs inside the schedule, in scheduled.py.
+here; 1F1B, interleaved 1F1B, ZB-H1 and interleaved zero-bubble, whose backward runs inside the
+schedule, in scheduled.py.
 
 GSPMD style, as MaxText does it: the compiler sees one program. The layer stack (a leading
 `layers` axis, which the rules map to `stage`) is viewed as (S stages, R repeats, Gps groups per
@@ -49,11 +50,14 @@ from spmd.parallel.strategy import Attribution, Strategy, rule, squeeze
 
 STAGE_AXIS = "stage"
 
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 # Schedules whose backward is scheduled with the forward (spmd/parallel/scheduled.py); the others
 # get theirs from autodiff of the forward loop.
-SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1")
-WITH_REPEATS = ("circular", "interleaved_1f1b")
+SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
+# Scheduled with each backward split into the input's and the weights' gradient (zero-bubble).
+SPLIT = ("zb_h1", "interleaved_zb")
+WITH_REPEATS = ("circular", "interleaved_1f1b", "interleaved_zb")
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +66,9 @@ class PipelineConfig:
     stage > 1."""
 
     microbatches: int = 0  # pipeline microbatches per (gradient-accumulation) batch; 0: one per stage
-    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1
-    # circular, interleaved_1f1b: layer groups (chunks) per stage, visited round-robin (divides the
-    # bubble)
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1 | interleaved_zb
+    # circular, interleaved_1f1b, interleaved_zb: layer groups (chunks) per stage, visited
+    # round-robin (divides the bubble)
     repeats: int = 1
     # FSDP inside a stage: gather the stage's weights once per step before the schedule (and
     # reduce their gradients once after it) instead of in every pipeline iteration. Fewer bytes
@@ -83,13 +87,14 @@ class PipelineConfig:
             problems.append(f"pipeline.repeats must be at least 1, got {self.repeats}")
         elif self.repeats > 1 and self.schedule not in WITH_REPEATS:
             problems.append(
-                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular or "
-                f"interleaved_1f1b ({self.schedule} holds one layer group per stage)"
+                f"pipeline.repeats = {self.repeats} needs pipeline.schedule = circular, "
+                f"interleaved_1f1b or interleaved_zb ({self.schedule} holds one layer group per stage)"
             )
-        elif self.schedule == "interleaved_1f1b" and self.repeats < 2:
+        elif self.schedule in INTERLEAVED and self.repeats < 2:
+            one = "zb_h1" if self.schedule == "interleaved_zb" else "1f1b"
             problems.append(
-                "pipeline.schedule = interleaved_1f1b needs pipeline.repeats >= 2 (with one chunk per "
-                "stage it is 1f1b)"
+                f"pipeline.schedule = {self.schedule} needs pipeline.repeats >= 2 (with one chunk per "
+                f"stage it is {one})"
             )
         return problems
 
@@ -118,7 +123,13 @@ class Schedule:
     @property
     def ticks(self) -> "scheduled.Ticks":
         """The tick plan of a scheduled backward."""
-        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.name == "zb_h1")
+        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.split)
+
+    @property
+    def split(self) -> bool:
+        """Whether each backward is split into the input's and the weights' gradient (zb_h1,
+        interleaved_zb)."""
+        return self.name in SPLIT
 
     @property
     def iterations(self) -> int:
@@ -130,19 +141,22 @@ class Schedule:
     @property
     def bubble_fraction(self) -> float:
         """Share of each stage's pass slots spent idle, a forward, an input-gradient and a
-        weight-gradient pass costing alike: (S - 1) / (M R + S - 1) for every schedule but zb_h1
-        (scheduled.py's lockstep ticks run the forward and backward passes S - 1 ticks apart, each
-        tick's weight gradient with its backward), 2 (S - 1) / (3 M + 2 (S - 1)) for zb_h1 (its M
-        weight-gradient passes run in ticks that have work for every stage)."""
+        weight-gradient pass costing alike: (S - 1) / (M R + S - 1) for the schedules with whole
+        backwards (scheduled.py's lockstep ticks run the forward and backward passes S - 1 ticks
+        apart, each tick's weight gradient with its backward), 2 (S - 1) / (3 M R + 2 (S - 1)) for
+        the split ones (their R M chunk-sized weight-gradient passes run in ticks that have work for
+        every stage)."""
         S, M, R = self.stages, self.microbatches, self.repeats
-        if self.name == "zb_h1":
-            return 2 * (S - 1) / (3 * M + 2 * (S - 1))
+        if self.split:
+            return 2 * (S - 1) / (3 * M * R + 2 * (S - 1))
         return (S - 1) / (M * R + S - 1)
 
     @property
     def bubble_formula(self) -> str:
         """`bubble_fraction` in S, M and R."""
-        return "2(S-1)/(3M+2(S-1))" if self.name == "zb_h1" else "(S-1)/(M*R+S-1)"
+        if self.split:
+            return "2(S-1)/(3M+2(S-1))" if self.repeats == 1 else "2(S-1)/(3M*R+2(S-1))"
+        return "(S-1)/(M*R+S-1)"
 
     @property
     def in_flight(self) -> int:
@@ -206,9 +220,9 @@ def schedule_for(
             f"does not split into {M} pipeline microbatches of a multiple of {dp} (the batch's mesh "
             f"axes); make it a multiple of {M * dp}, or change pipeline.microbatches"
         )
-    if pcfg.schedule == "interleaved_1f1b" and M % S:
+    if pcfg.schedule in INTERLEAVED and M % S:
         raise UserError(
-            f"pipeline.schedule = interleaved_1f1b runs microbatches in groups of the {S} stages: "
+            f"pipeline.schedule = {pcfg.schedule} runs microbatches in groups of the {S} stages: "
             f"pipeline.microbatches ({M}) must be a multiple of {S}"
         )
     return Schedule(S, M, R, split, pcfg.gather_once, pcfg.schedule)

@@ -27,13 +27,15 @@ stage, its backward at tick m + 2S - 2 - s. Ticks: R M + R S + S - 2, in three p
 - 1 ticks, backwards only). Each stage does R M forwards and R M backwards of a chunk in R M + S - 1
 ticks of each pass: the bubble is (S - 1) / (R M + S - 1), GPipe's and circular's.
 
-ZB-H1 (`Ticks.split`, R = 1) cuts each backward in two (split_backward.py): B, the input's
-gradient, at the tick above, and W, the weights' gradient, for microbatch m on every stage at tick
-m + 2S - 2, when stage 0 runs m's B: the M weight passes run in ticks where every stage has one, so
-a step is (M + S - 1) (F + B) + M W, not (M + S - 1) (F + B + W). What W reads from B (per layer,
-each weight matmul's operands: the cotangent at its output and, under remat, its recomputed input)
-waits in a ring of S slots; the forward residuals W also reads stay in theirs, which 2S - 1 slots
-cover.
+ZB-H1 and interleaved zero-bubble (`Ticks.split`) cut each backward in two (split_backward.py): B,
+the input's gradient, at the tick above, and W, the weights' gradient, of a microbatch's chunk on
+every stage at the tick stage 0 runs that chunk's B (m + 2S - 2 with R = 1): the R M weight passes
+run in ticks where every stage has one, so a step is (R M + S - 1) (F + B) / R + M W, not (R M + S
+- 1) (F + B + W) / R. What W reads from B (per layer, each weight matmul's operands: the cotangent at
+its output and, under remat, its recomputed input) waits in a ring of S slots (stage s's W runs s
+ticks after its B; the slot is the microbatch's place j in its group); the forward residuals W also
+reads stay in theirs, which 2 R S - 1 slots cover (W runs at most 2 R S - 2 ticks after the
+forward).
 
 The whole schedule is one `jax.custom_vjp` whose forward computes the loss and every gradient (the
 layers', the head's, and the stage-0 input's, which autodiff carries back into the embedding); its
@@ -73,8 +75,9 @@ class Ticks:
     stages: int
     microbatches: int
     repeats: int = 1
-    # Zero-bubble (ZB-H1): each backward split into the input's gradient (B, at the backward's
-    # tick) and the weights' (W, deferred to tick m + 2S - 2 on every stage); R = 1 only.
+    # Zero-bubble (ZB-H1 with R = 1, interleaved with R > 1): each backward split into the input's
+    # gradient (B, at the backward's tick) and the weights' (W, deferred on every stage to the tick
+    # stage 0 runs B of the same microbatch chunk).
     split: bool = False
 
     @property
@@ -101,8 +104,9 @@ class Ticks:
 
     @property
     def weight_start(self) -> int:
-        """The first tick with a deferred weight-gradient pass (split only)."""
-        return 2 * self.stages - 2
+        """The first tick with a deferred weight-gradient pass (split only): stage 0's first
+        backward."""
+        return (self.repeats + 1) * self.stages - 2
 
     def phases(self) -> list[tuple[int, int, bool, bool, bool]]:
         """(first tick, end, forward, backward, weight) of each run of ticks that do the same
@@ -126,10 +130,10 @@ class Ticks:
         return {TAIL_SCOPE: self.microbatches / (self.steady_end - self.warmup)}
 
     def weight(self, t):
-        """(valid, microbatch) of every stage's deferred weight-gradient pass at tick t: microbatch
-        m's at tick m + 2S - 2, when stage 0 (the last to run m's backward) has run it."""
-        m = t - self.weight_start
-        return (m >= 0) & (m < self.microbatches), m
+        """(valid, microbatch, chunk, forward index) of every stage's deferred weight-gradient pass
+        at tick t: the chunk stage 0, the last to run its backward, runs B of in that tick
+        (microbatch m's at tick m + 2S - 2 with R = 1)."""
+        return self.backward(t, 0)
 
     def _split(self, k):
         S, R = self.stages, self.repeats
@@ -453,8 +457,10 @@ def _schedule(
                 lambda ct: jax.vmap(lambda a, r: a[r])(ct, r_S), stats_ct)  # fmt: skip
             if ticks.split:
                 g_in_SbTD, saved_S = per_stage_input_grad(res_S, w_S, side_S, g_SbTD, g_stats_S)
+                # Slot: the microbatch's place in its group (k mod S), distinct over the S
+                # backwards a stage runs before their weight passes.
                 c["saved"] = [
-                    jax.vmap(lambda ring, x, i, v: jnp.where(v, ring.at[i].set(x), ring))(ring, x, jnp.mod(m_S, S), valid_S)
+                    jax.vmap(lambda ring, x, i, v: jnp.where(v, ring.at[i].set(x), ring))(ring, x, jnp.mod(k_S, S), valid_S)
                     for ring, x in zip(c["saved"], saved_S, strict=True)
                 ]  # fmt: skip
             else:
@@ -472,18 +478,18 @@ def _schedule(
             c["g_embed"] = jax.tree.map(jnp.add, c["g_embed"], g_embed)
             c["state_b"] = constrain(rotate(g_in_SbTD, -1), stage_spec)
         if wgt:
-            # Every stage's deferred weight gradient of the same microbatch (R = 1: chunk 0).
-            valid, m = ticks.weight(t)
+            # Every stage's deferred weight gradient of the same microbatch chunk.
+            valid, m, r, k = ticks.weight(t)
             m = jnp.clip(m, 0, M - 1)
-            res_S = [ring[:, jnp.mod(m, K)] for ring in c["ring"]]
-            saved_S = [ring[:, jnp.mod(m, S)] for ring in c["saved"]]
+            r_S = jnp.broadcast_to(jnp.clip(r, 0, R - 1), (S,))
+            res_S = [ring[:, jnp.mod(k, K)] for ring in c["ring"]]
+            saved_S = [ring[:, jnp.mod(k, S)] for ring in c["saved"]]
             side_S = jax.tree.map(lambda a: jnp.broadcast_to(a[m], (S, *a.shape[1:])), side_M)
-            zero_S = jnp.zeros(S, jnp.int32)
-            g_w_S = per_stage_weight_grad(res_S, chunk_of(w, zero_S), side_S, saved_S)
+            g_w_S = per_stage_weight_grad(res_S, chunk_of(w, r_S), side_S, saved_S)
             # The scope marks what runs once per weight pass and cannot be hoisted out of the tick
             # loop (the dry-run counts its runs): the sum into the gradient carry.
             with jax.named_scope(WEIGHT_SCOPE):
-                c["g_w"] = add_grads(c["g_w"], g_w_S, zero_S, jnp.broadcast_to(valid, (S,)))
+                c["g_w"] = add_grads(c["g_w"], g_w_S, r_S, jnp.broadcast_to(valid, (S,)))
         return c, None
 
     carry = {
