@@ -6,6 +6,8 @@ import dataclasses
 import pathlib
 import time
 
+import jax
+
 from spmd.core.errors import UserError
 from spmd.data.tokenizer import check_agrees
 from spmd.io.checkpoint import (
@@ -143,7 +145,8 @@ def _fine_tune(trainer, init_from: str, tokenizer, allow_tokenizer_change: bool,
     params, meta = restore_weights(directory, step, trainer.abstract_weights, trainer.fresh_weights)
     check_agrees(meta.get("run", {}).get("tokenizer"), tokenizer, f"checkpoint {directory}/{step}",
                  allow_tokenizer_change)  # fmt: skip
-    params = trainer.plan.from_canonical(params, trainer.plan.param_shardings)
+    # without the parameters a transform adds (state_from_params adds them)
+    params = trainer.plan.from_canonical(params, jax.tree.map(lambda x: x.sharding, params))
     notes.append(f"parameters from {directory}/{step}; fresh optimizer state, starting at step 0")
     return Start(trainer.state_from_params(params), 0, notes, tokenizer=meta.get("run", {}).get("tokenizer"))
 

@@ -497,3 +497,28 @@ def test_1f1b_resumes_after_sigkill_exactly(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stderr
     assert losses(run_dir) == losses(reference)
+
+
+def test_lora_resumes_onto_its_frozen_base_in_a_permuted_layer_order(tmp_path):
+    """LoRA from another run's weights under interleaved zero-bubble (layers stored permuted) trains
+    like LoRA on one device; a run resumed from its step-2 checkpoint, which holds only the
+    adapters, rebuilds the frozen base from those canonical weights in the stored order and
+    continues with the uninterrupted run's losses."""
+    from test_preemption import losses
+
+    base = tmp_path / "base"
+    common = ["--config", "tiny", "--set", "model.n_layers=4", "--log-every", "1", "--eval-every", "0"]
+    assert spmd_train(*common, "--steps", "1", "--run-dir", str(base)).returncode == 0
+    lora = ["--init-from", str(base), "--set", "lora.rank=4", "--set", "lora.alpha=8", "--set",
+            "optimizer.learning_rate=1e-2", "--checkpoint-every", "2"]  # fmt: skip
+    args = [*lora, "--mesh", "stage=2", "--rules", "pp", "--host-devices", "2", "--set",
+            "pipeline.schedule=interleaved_zb", "--set", "pipeline.repeats=2", "--set", "pipeline.microbatches=2"]  # fmt: skip
+    one, reference, run_dir = tmp_path / "one", tmp_path / "reference", tmp_path / "run"
+    assert spmd_train(*common, *lora, "--steps", "4", "--run-dir", str(one)).returncode == 0
+    assert spmd_train(*common, *args, "--steps", "4", "--run-dir", str(reference)).returncode == 0
+    np.testing.assert_allclose([x for _, x in losses(reference)], [x for _, x in losses(one)], rtol=1e-5)
+    assert spmd_train(*common, *args, "--steps", "2", "--run-dir", str(run_dir)).returncode == 0
+    result = spmd_train(*common, *args, "--steps", "4", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stderr
+    assert losses(run_dir) == losses(reference)

@@ -608,8 +608,8 @@ def read_trained(directory: pathlib.Path, step: int, sharding) -> tuple[dict, di
 def restore_model(directory: pathlib.Path, step: int, plan, meta: dict | None = None):
     """`restore_weights` for a plan of a model without transforms (evaluation, sampling, export)."""
 
-    def fresh(seed):
-        return jax.jit(lambda: plan.init_params(seed), out_shardings=plan.param_shardings)()
+    def fresh(seed):  # canonical layer order, as checkpoints hold the weights
+        return jax.jit(lambda: plan.canonical_init_params(seed), out_shardings=plan.param_shardings)()
 
     return restore_weights(directory, step, plan.abstract_params, fresh, meta)
 

@@ -142,7 +142,11 @@ class ShardingPlan:
     def init_params(self, seed: int):
         """Real parameters (pure dict) of this plan's model, in stored layer order; call under jit
         with `param_shardings`."""
-        return self.from_canonical(init_params(self.family.model_cls, self.model_cfg, seed))
+        return self.from_canonical(self.canonical_init_params(seed))
+
+    def canonical_init_params(self, seed: int):
+        """`init_params` in canonical layer order, as a checkpoint holds them."""
+        return init_params(self.family.model_cls, self.model_cfg, seed)
 
     def from_canonical(self, tree, shardings=None):
         """Parameters (or a state holding them) in canonical layer order -> as this plan stores

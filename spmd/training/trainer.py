@@ -245,16 +245,19 @@ class Trainer:
         return self.partition.without_added(self.plan.abstract_params)
 
     def fresh_weights(self, seed: int):
-        """`abstract_weights` drawn from `seed`, as a fresh run draws them."""
+        """`abstract_weights` drawn from `seed`, as a fresh run draws them, in canonical layer
+        order (as a checkpoint holds them)."""
         shardings = jax.tree.map(lambda x: x.sharding, self.abstract_weights)
-        init = self.plan.init_params
+        init = self.plan.canonical_init_params
         return jax.jit(lambda: self.partition.without_added(init(seed)), out_shardings=shardings)()
 
     def frozen_from(self, weights):
-        """The state's `frozen` part from the weights the run started from (`abstract_weights`)."""
+        """The state's `frozen` part (in stored layer order) from the weights the run started from
+        (`abstract_weights`, canonical order)."""
         frozen = self.partition.split(weights)[1]
         want = self.abstract_state["frozen"]
-        return jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), frozen, want)
+        frozen = jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), frozen, want)
+        return self.plan.from_canonical(frozen, self.state_shardings["frozen"])
 
     def unsaved_from(self, weights) -> dict:
         """The state's `unsaved` parts from the weights the run started from (canonical order, as

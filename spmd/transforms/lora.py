@@ -86,12 +86,6 @@ class LoRA(transform.ModelTransform):
     def plain(self, cfg):
         return dataclasses.replace(cfg, lora=LoRAConfig())
 
-    def check(self, plan) -> None:
-        if plan.layer_order is not None:
-            raise UserError(
-                "[lora] does not run under a circular pipeline schedule; use pipeline.schedule = gpipe "
-                "or rules without a stage axis"
-            )
 
 
 TRANSFORM = LoRA
