@@ -252,3 +252,20 @@ def test_pipelines_are_offered_with_scheduled_backwards_and_win_only_over_slow_l
     assert lines[i + 2].startswith(
         "     run: spmd-train --config tiny --dcn-mesh stage=2 --mesh fsdp=4 --rules pp_fsdp"
     )
+
+
+@pytest.mark.parametrize("layers,offered", [(8, True), (2, False)])
+def test_planner_offers_interleaved_zb_where_each_stage_holds_two_layer_groups(devices, layers, offered):
+    """Beside 1f1b and zb_h1, interleaved_zb with 2 repeats where the layers split into 2 S groups:
+    its bubble a third of 1f1b's idle time."""
+    from spmd.assembly.planner import schedule_offers
+    from spmd.assembly.setup import assemble
+
+    setup = assemble("tiny", "stage=2,fsdp=4", "pp_fsdp", devices=devices,
+                     overrides=[f"model.n_layers={layers}", "train.global_batch_size=128"])  # fmt: skip
+    offers = {tuple(o): why for o, why in schedule_offers(setup)}
+    assert ("pipeline.schedule=zb_h1", "pipeline.microbatches=16") in offers
+    izb = ("pipeline.schedule=interleaved_zb", "pipeline.repeats=2", "pipeline.microbatches=16")
+    assert (izb in offers) == offered
+    if offered:  # S = 2, M = 16: 2 (S - 1) / (3 M R + 2 (S - 1)) = 2 / 98
+        assert "bubble 2.0% (zb_h1's 4.0%, 1f1b's 5.9%)" in offers[izb]

@@ -349,6 +349,15 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
                    f"{zb.name} runs the weight gradients in ticks where every stage has work and holds at most "
                    f"{zb.in_flight} {held} per stage whatever M, so M = {best}: bubble "
                    f"{zb.bubble_fraction:.1%} ({one.name}'s {one.bubble_fraction:.1%}; {gpipe})"))  # fmt: skip
+    groups = max(setup.plan.layered.values(), default=0)
+    if R == 1 and best % S == 0 and groups % (2 * S) == 0:
+        # Two chunks per stage: the forward and input-gradient passes' idle ticks halve.
+        izb = dataclasses.replace(zb, kind="interleaved_zb", repeats=2)
+        offers.append((["pipeline.schedule=interleaved_zb", "pipeline.repeats=2", f"pipeline.microbatches={best}"],
+                       f"interleaved_zb with 2 layer groups per stage idles a third of what 1f1b does and holds at "
+                       f"most {izb.in_flight} half-size microbatch chunks per stage whatever M, so M = {best}: bubble "
+                       f"{izb.bubble_fraction:.1%} (zb_h1's {zb.bubble_fraction:.1%}, 1f1b's "
+                       f"{one.bubble_fraction:.1%}), at twice the moves between stages"))  # fmt: skip
     return offers
 
 
