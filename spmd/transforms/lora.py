@@ -87,7 +87,6 @@ class LoRA(transform.ModelTransform):
         return dataclasses.replace(cfg, lora=LoRAConfig())
 
 
-
 TRANSFORM = LoRA
 
 
