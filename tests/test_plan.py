@@ -254,15 +254,22 @@ def test_pipelines_are_offered_with_scheduled_backwards_and_win_only_over_slow_l
     )
 
 
-@pytest.mark.parametrize("layers,offered", [(8, True), (2, False)])
-def test_planner_offers_interleaved_zb_where_each_stage_holds_two_layer_groups(devices, layers, offered):
-    """Beside 1f1b and zb_h1, interleaved_zb with 2 repeats where the layers split into 2 S groups:
+# tiny-moe with 6 layers, an MoE layer every third, scans 2 groups of 3 (its dense layers in a stack
+# of 4): 2 groups do not split into 2 S = 4.
+@pytest.mark.parametrize(
+    "config,layers,offered", [("tiny", 8, True), ("tiny", 2, False), ("tiny-moe", 6, False)]
+)
+def test_planner_offers_interleaved_zb_where_each_stage_holds_two_layer_groups(
+    devices, config, layers, offered
+):
+    """Beside 1f1b and zb_h1, interleaved_zb with 2 repeats where the layer groups split into 2 S:
     its bubble a third of 1f1b's idle time."""
     from spmd.assembly.planner import schedule_offers
     from spmd.assembly.setup import assemble
 
-    setup = assemble("tiny", "stage=2,fsdp=4", "pp_fsdp", devices=devices,
-                     overrides=[f"model.n_layers={layers}", "train.global_batch_size=128"])  # fmt: skip
+    setup = assemble(config, "stage=2,fsdp=4", "pp_fsdp", devices=devices,
+                     overrides=[f"model.n_layers={layers}", "train.global_batch_size=128",
+                                *(["moe.every=3"] if config == "tiny-moe" else [])])  # fmt: skip
     offers = {tuple(o): why for o, why in schedule_offers(setup)}
     assert ("pipeline.schedule=zb_h1", "pipeline.microbatches=16") in offers
     izb = ("pipeline.schedule=interleaved_zb", "pipeline.repeats=2", "pipeline.microbatches=16")

@@ -349,8 +349,7 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
                    f"{zb.name} runs the weight gradients in ticks where every stage has work and holds at most "
                    f"{zb.in_flight} {held} per stage whatever M, so M = {best}: bubble "
                    f"{zb.bubble_fraction:.1%} ({one.name}'s {one.bubble_fraction:.1%}; {gpipe})"))  # fmt: skip
-    groups = max(setup.plan.layered.values(), default=0)
-    if R == 1 and best % S == 0 and groups % (2 * S) == 0:
+    if R == 1 and best % S == 0 and setup.plan.layer_groups % (2 * S) == 0:
         # Two chunks per stage: the forward and input-gradient passes' idle ticks halve.
         izb = dataclasses.replace(zb, kind="interleaved_zb", repeats=2)
         offers.append((["pipeline.schedule=interleaved_zb", "pipeline.repeats=2", f"pipeline.microbatches={best}"],

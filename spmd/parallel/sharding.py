@@ -55,6 +55,13 @@ def init_params(model_cls, model_cfg, seed: int):
     return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
 
 
+def layer_groups(layered: dict) -> int:
+    """G, the layer groups the model scans over, from its parameters stacked over layers ({path:
+    leading size}): the smallest such stack (an MoE model keeps the dense layers of a group in
+    another stack of k * G); 0 without any."""
+    return min(layered.values(), default=0)
+
+
 def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in path)
 
@@ -100,6 +107,11 @@ class ShardingPlan:
     layer_order: np.ndarray | None = None
     # how the model's platform-dependent pieces lower (spmd.assembly.policy decides; spmd.core.logical)
     lowering: Lowering = Lowering()
+
+    @property
+    def layer_groups(self) -> int:
+        """G, the layer groups the model scans over (`layer_groups`)."""
+        return layer_groups(self.layered)
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -216,10 +228,8 @@ def plan(
     problems = strategy.problems(rules, mesh, figures, seq_len)  # each strategy's checks
     if problems:
         raise UserError(problems[0])
-    # Parameters stacked over layers: the leading axis holds G layer groups (the smallest such
-    # stack: an MoE model keeps its dense layers of a group in another stack of k * G).
     layered = {p: shapes[p][0] for p in specs if specs[p] and specs[p][0] == "layers"}
-    groups = min(layered.values(), default=0)
+    groups = layer_groups(layered)
     schedule = pipeline.schedule_for(pipeline_cfg, mesh, rules, groups, micro, figures.n_layers)
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     # The KV cache exists only when decoding, which runs under the decoding rules (no pipeline).
