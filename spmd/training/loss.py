@@ -22,10 +22,22 @@ def cross_entropy(logits_BTV, targets_BT):
     return _forward(logits_BTV, targets_BT)[0]
 
 
+def target_logits(logits_BTV, targets_BT):
+    """logits[..., target] of each position, as a masked sum over the vocabulary rather than a
+    gather: XLA's partitioner aborts on a gather from vocabulary-split logits inside a region
+    manual over some mesh axes (a pipeline whose stages diverge), and the sum adds only zeros to
+    the one logit, so it is exact. Targets outside [0, V) give 0."""
+    hit_BTV = (
+        jax.lax.broadcasted_iota(targets_BT.dtype, logits_BTV.shape, logits_BTV.ndim - 1)
+        == targets_BT[..., None]
+    )
+    return jnp.sum(jnp.where(hit_BTV, logits_BTV, jnp.zeros((), logits_BTV.dtype)), axis=-1)
+
+
 def _forward(logits_BTV, targets_BT):
     lse_BT = jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1)
     safe_BT = jnp.clip(targets_BT, 0, logits_BTV.shape[-1] - 1)
-    target_BT = jnp.take_along_axis(logits_BTV, safe_BT[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    target_BT = target_logits(logits_BTV, safe_BT).astype(jnp.float32)
     return (lse_BT - target_BT, lse_BT), (logits_BTV, safe_BT, lse_BT)
 
 

@@ -20,9 +20,9 @@ from spmd.core.family import Tail
 from spmd.parallel import context, dataparallel, memory
 from spmd.parallel import sharding as sharding_lib
 from spmd.parallel import slices as slices_lib
-from spmd.platform import cpu_matmul
+from spmd.platform import cpu_matmul, distributed
 from spmd.training import preference, sliced, transform
-from spmd.training.loss import cross_entropy
+from spmd.training.loss import cross_entropy, target_logits
 from spmd.training.optimizer import decay_mask, lr_schedule, make_optimizer, matrix_dims
 
 # Parts of a train state that checkpoints do not hold: the frozen parameters and the reference
@@ -133,7 +133,12 @@ def cross_entropies(logits_BTV, targets_BT, fused_loss: bool):
     """(cross-entropy (B, T) float32, its logsumexp or None); `fused_loss`: see token_losses."""
     if fused_loss:
         return cross_entropy(logits_BTV, targets_BT)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT), None
+    # optax.softmax_cross_entropy_with_integer_labels's arithmetic, its target logit a masked sum
+    # (loss.target_logits); a negative target counts from the end, as its gather's does.
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    V = logits_BTV.shape[-1]
+    target_BT = target_logits(logits_BTV, jnp.where(targets_BT < 0, targets_BT + V, targets_BT))
+    return jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT, None
 
 
 def forward_ce(graphdef, params, inputs_BT, targets_BT, positions_BT, segment_ids_BT, order_BT, fused_loss):
