@@ -53,12 +53,8 @@ LAYOUTS = [
 # The scheduled backward (ZB-H1, interleaved, 1F1B): with FSDP and tensor parallelism, data parallelism,
 # ring attention, ZeRO-1 under gradient accumulation; each remat policy.
 LAYOUTS += [
-    # ZB-H1: the backward cut into input and weight gradients through FSDP and tensor-parallel
-    # matmuls and remat regions (its forward and B pass are 1F1B's).
-    ("pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=save_dots"]),
-    # ... and with the residual stream split over tensor along the sequence (what W waits with too).
-    ("pp_fsdp_tp_sp", "stage=2,fsdp=2,tensor=2", [*ZB_H1, "pipeline.microbatches=4", "model.remat=full"]),
-    # Interleaved zero-bubble: the split backward on two chunks per stage (stored permuted).
+    # Interleaved zero-bubble: the backward cut into input and weight gradients through FSDP and
+    # tensor-parallel matmuls and remat regions, on two chunks per stage (stored permuted).
     (
         "pp_fsdp_tp",
         "stage=2,fsdp=2,tensor=2",
@@ -102,13 +98,12 @@ def moe_single(devices):
 
 MOE_LAYOUTS = [
     ("pp_fsdp", "stage=2,fsdp=4", []),
-    # ZB-H1 with the experts split over expert (the dropless all-to-all inside a stage, run whole
-    # by the input-gradient pass; its forward and that pass are 1F1B's)
-    (str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2", ZB_H1),
+    # 1F1B with the experts split over expert (the dropless all-to-all inside a stage)
+    (str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2", ONE_F_ONE_B),
 ]
 
 
-@pytest.mark.parametrize("rules,mesh,overrides", MOE_LAYOUTS, ids=["gpipe-fsdp", "zb_h1-expert"])
+@pytest.mark.parametrize("rules,mesh,overrides", MOE_LAYOUTS, ids=["gpipe-fsdp", "1f1b-expert"])
 def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
     moe_single, devices, rules, mesh, overrides
 ):
@@ -127,16 +122,150 @@ def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
 
 
 def test_lora_under_a_scheduled_backward_trains_like_lora_on_one_device(devices):
-    """Only the adapters train; the schedule's gradients of the frozen base are not taken: ZB-H1's
-    weight pass computes the adapters' gradients alone."""
-    lora = ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2"]
+    """Only the adapters train; the schedule's gradients of the frozen base are not taken:
+    interleaved zero-bubble's weight pass computes the adapters' gradients alone."""
+    lora = ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2", "model.n_layers=4"]
     ref_losses, ref_params, _ = run_training(load_config("tiny", lora), "", "fsdp", 3, devices[:1])
-    cfg = load_config("tiny", [*lora, *ZB_H1, "pipeline.microbatches=2"])
+    cfg = load_config("tiny", [*lora, *INTERLEAVED_ZB, "pipeline.microbatches=2"])
     losses, params, trainer = run_training(cfg, "stage=2", "pp", 3, devices[:2])
-    assert trainer.plan.schedule.name == "zb_h1"
+    assert trainer.plan.schedule.name == "interleaved_zb"
+    params = trainer.plan.to_canonical(params)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("S,M", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (4, 32), (8, 16), (16, 64)])
+def test_zb_h1_table_runs_every_pass_once_in_order_and_idles_s_minus_1_ticks(S, M):
+    """zero_bubble.table: 3 M + S - 1 ticks; each stage runs F, B and W of every microbatch once,
+    in microbatch order, B after its F and after the next stage's B, W after B, F after the
+    previous stage's F (each in an earlier tick); S - 1 idle ticks per stage; the rings' lengths
+    cover what waits; and what arrives is what the neighbour's pass sent."""
+    from spmd.parallel import zero_bubble as zb
+
+    t = zb.table(S, M)
+    assert t.ticks == 3 * M + S - 1 and t.idle() == S - 1
+    when = {}
+    for s in range(S):
+        for tick in range(t.ticks):
+            if t.kind[s, tick] != zb.IDLE:
+                key = (int(t.kind[s, tick]), s, int(t.microbatch[s, tick]))
+                assert key not in when
+                when[key] = tick
+    assert len(when) == 3 * S * M
+    F, B, W = zb.FORWARD, zb.INPUT_GRAD, zb.WEIGHT_GRAD
+    for s in range(S):
+        for m in range(M):
+            assert when[F, s, m] < when[B, s, m] < when[W, s, m]
+            if m:
+                assert all(when[k, s, m - 1] < when[k, s, m] for k in (F, B, W))
+            if s:
+                assert when[F, s - 1, m] < when[F, s, m] and t.arrives_forward[s, when[F, s - 1, m]] == m
+            if s < S - 1:
+                assert when[B, s + 1, m] < when[B, s, m] and t.arrives_backward[s, when[B, s + 1, m]] == m
+
+    def held(s, a, b):  # the most microbatches between passes a and b at once (both ticks counted)
+        return max(sum(when[a, s, m] <= x <= when[b, s, m] for m in range(M)) for x in range(t.ticks))
+
+    assert t.residual_slots == max(held(s, F, W) for s in range(S)) <= S + 3
+    assert t.saved_slots == max(held(s, B, W) for s in range(S)) <= S
+
+
+# ZB-H1, whose stages run different passes (and so different collectives) in the same tick: each
+# layout in a fresh process with JAX's runtime started (gloo collectives, as spmd-train starts them
+# on CPU), against one device in the same process. (model, rules, mesh, overrides, reference
+# overrides or None for the same model settings, steps)
+DIVERGED = {
+    # the backward cut into input and weight gradients through FSDP and tensor-parallel matmuls
+    # and remat regions; the embedding and the head inside the stages' region
+    "fsdp-tp": ("tiny", "pp_fsdp_tp", "stage=2,fsdp=2,tensor=2", [*DEEP, "pipeline.microbatches=4", "model.remat=save_dots"], None, 10),
+    # the residual stream split over tensor along the sequence, inside gradient accumulation
+    "fsdp-tp-sp-accumulated": ("tiny", "pp_fsdp_tp_sp", "stage=2,fsdp=2,tensor=2",
+                               [*DEEP, "pipeline.microbatches=2", "train.microbatches=2", "model.remat=full"], None, 10),
+    # ring attention's permutes over context in one stage's forward beside another's backward
+    "ring": ("tiny", str(RULES / "pp_cp_ring.toml"), "stage=2,context=2", [*DEEP, "pipeline.microbatches=2", "model.remat=full"], None, 10),
+    # four stages (a table with idle ticks in the middle), data parallel beside them
+    "four-stages": ("tiny", "pp", "stage=4,data=2", [*DEEP, "pipeline.microbatches=4"], None, 10),
+    # the dropless MoE's all-to-all over expert; the reference accumulates M microbatches, which
+    # route and balance apart as the pipeline's do
+    "moe-expert": ("tiny-moe", str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2",
+                   ["model.n_layers=4", "moe.dispatch=dropless", "pipeline.microbatches=2"],
+                   ["model.n_layers=4", "moe.dispatch=dropless", "train.microbatches=2"], 10),
+    # LoRA: the weight pass computes the adapters' gradients alone
+    "lora": ("tiny", "pp", "stage=2", ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2", "pipeline.microbatches=2"], None, 3),
+}  # fmt: skip
+
+_DIVERGED_RUN = """
+import json, sys
+import numpy as np
+from spmd.platform import distributed
+distributed.initialize(diverging_collectives=True)
+import jax
+from spmd.assembly.config import load_config
+from spmd.assembly.setup import assemble
+
+model, rules, mesh, n, overrides, reference, steps = json.loads(sys.argv[1])
+
+def train(cfg, mesh, rules, devices):
+    setup = assemble(cfg, mesh, rules, devices=devices)
+    trainer, batches = setup.trainer, setup.batches()
+    state, losses = trainer.init_state(), []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, batches.train_batch(step))
+        losses.append(float(metrics["loss"]))
+    return losses, trainer.plan.to_canonical(jax.device_get(state["params"])), trainer
+
+ref, ref_params, _ = train(load_config(model, reference), "", "fsdp", jax.devices()[:1])
+losses, params, trainer = train(load_config(model, ["pipeline.schedule=zb_h1", *overrides]), mesh, rules,
+                                jax.devices()[:n])
+failing = [jax.tree_util.keystr(path) for (path, a), b in
+           zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params))
+           if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)]
+print(json.dumps({"schedule": trainer.plan.schedule.name, "diverge": trainer.plan.schedule.ticks.diverge,
+                  "stages": trainer.plan.schedule.stages, "losses": losses, "reference": ref,
+                  "failing": failing, "gloo": jax.config.jax_cpu_collectives_implementation}))
+"""
+
+
+@pytest.mark.parametrize("case", list(DIVERGED))
+def test_zb_h1_with_stages_that_diverge_trains_like_one_device(case):
+    import os
+    import subprocess
+    import sys
+
+    model, rules, mesh, overrides, reference, steps = DIVERGED[case]
+    reference = (
+        reference if reference is not None else [o for o in overrides if not o.startswith("pipeline.")]
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(
+        JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(pathlib.Path(__file__).parent.parent)
+    )
+    args = json.dumps([model, rules, mesh, _n_devices(mesh), overrides, reference, steps])
+    out = subprocess.run([sys.executable, "-c", _DIVERGED_RUN, args], capture_output=True, text=True,
+                         timeout=600, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["schedule"] == "zb_h1" and r["diverge"] and r["stages"] == int(mesh.split(",")[0][6:])
+    if steps >= 10:
+        assert r["losses"][-1] < r["losses"][0] - 0.3, "it should learn within 10 steps"
+    np.testing.assert_allclose(r["losses"], r["reference"], rtol=1e-5)
+    assert r["failing"] == []
+
+
+def test_zb_h1_on_cpu_without_gloo_collectives_says_how_to_run_it(devices):
+    """XLA:CPU's in-process collectives (this process: no JAX runtime) cannot run stages that reach
+    different collectives at once: the first step is refused, naming what works; the step still
+    compiles (a dry-run needs nothing)."""
+    from spmd.core.errors import UserError
+
+    setup = assemble("tiny", "stage=2,fsdp=2", "pp_fsdp", devices=devices[:4],
+                     overrides=["pipeline.schedule=zb_h1", "pipeline.microbatches=2"])  # fmt: skip
+    trainer = setup.trainer
+    state = trainer.init_state()
+    with pytest.raises(UserError, match="XLA:CPU's in-process collectives cannot: train with spmd-train"):
+        trainer.train_step(state, setup.batches().train_batch(0))
+    assert hasattr(trainer.train_step, "lower")
 
 
 def test_circular_layer_order_gives_each_stage_its_round_robin_groups():
@@ -264,7 +393,8 @@ def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipel
 @pytest.fixture(scope="module")
 def scheduled_dry_runs(devices):
     """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe, 1F1B, ZB-H1 and
-    interleaved zero-bubble (2 repeats) with M = 8 and 16 microbatches of 8 sequences each."""
+    interleaved zero-bubble (2 repeats) with M = 8 and 16 microbatches of 8 sequences each, and
+    on data=2 without a pipeline ("none") at the same batch."""
     out = {}
     for name in ("gpipe", "1f1b", "zb_h1", "interleaved_zb"):
         repeats = ["pipeline.repeats=2"] if name == "interleaved_zb" else []
@@ -273,6 +403,10 @@ def scheduled_dry_runs(devices):
                 *DEEP, "model.remat=full", "train.seq_len=32", f"train.global_batch_size={8 * m}",
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}", *repeats])  # fmt: skip
             out[name, m] = dry_run(setup)
+    for m in (8, 16):  # without a pipeline, on the data axis alone
+        setup = assemble("tiny", "data=2", "fsdp", devices=devices[:2], overrides=[
+            *DEEP, "model.remat=full", "train.seq_len=32", f"train.global_batch_size={8 * m}"])  # fmt: skip
+        out["none", m] = dry_run(setup)
     return out
 
 
@@ -297,31 +431,43 @@ def test_1f1b_holds_a_fixed_number_of_microbatches_and_counts_the_bubble_gpipe_h
     assert abs(temp["interleaved_zb", 16] - temp["interleaved_zb", 8]) < one_microbatch
 
 
-def test_zb_h1_defers_the_weight_gradients_into_ticks_every_stage_has_work(scheduled_dry_runs):
-    """Its forward and input-gradient passes tick as 1F1B's do; its M weight-gradient passes (counted
-    in the compiled step) run in ticks that have work for every stage, so the bubble over all three
-    passes is 2 (S - 1) / (3 M + 2 (S - 1)), and the work 1F1B does in its bubble's weight
-    gradients is not compiled: fewer FLOPs, with none computed twice."""
+def test_zb_h1_idles_a_third_of_what_1f1b_idles_and_computes_no_idle_slot(scheduled_dry_runs):
+    """ZB-H1 with stages that diverge: both moves between stages every tick, 3 M + S - 1 ticks
+    (counted in the compiled step), each stage running one pass in each, so each idles S - 1 pass
+    slots against 1F1B's 3 (S - 1): the published third. Its idle slots run the empty branch, so
+    it compiles the unpipelined step's FLOPs (the tick's passes counted at the share of the
+    table's ticks that run them), within 1 + its bubble; 1F1B's lockstep idle slots compute."""
     S = 4
+    idle = lambda b: b / (1 - b)  # noqa: E731 (idle slots over useful ones)
     for m in (8, 16):
-        zb, one = scheduled_dry_runs["zb_h1", m], scheduled_dry_runs["1f1b", m]
+        zb, one, flat = (
+            scheduled_dry_runs["zb_h1", m],
+            scheduled_dry_runs["1f1b", m],
+            scheduled_dry_runs["none", m],
+        )
         pp = zb["pipeline"]
-        analytic = 2 * (S - 1) / (3 * m + 2 * (S - 1))
-        assert pp["ticks_counted"] == {"forward": m + S - 1, "backward": m + S - 1, "weight": m}
+        analytic = (S - 1) / (3 * m + S - 1)
+        assert pp["ticks_counted"] == {"forward": 3 * m + S - 1, "backward": 3 * m + S - 1}
         assert pp["bubble_fraction"] == analytic and pp["bubble_counted"] == pytest.approx(analytic)
-        assert pp["bubble_counted"] < one["pipeline"]["bubble_counted"]
-        # 1F1B's layers cost (M + S - 1) (F + B + W), ZB-H1's (M + S - 1) (F + B) + M W: with the
-        # three alike, ZB-H1 saves (S - 1) / (3 (M + S - 1)) of 1F1B's layer FLOPs.
-        saved = 1 - zb["compiled_matmul_flops_per_device"] / one["compiled_matmul_flops_per_device"]
-        assert 0.5 * (S - 1) / (3 * (m + S - 1)) < saved <= (S - 1) / (3 * (m + S - 1))
+        assert idle(pp["bubble_counted"]) == pytest.approx(idle(one["pipeline"]["bubble_counted"]) / 3)
+        # Per device: the pipelined mesh has 8 devices, the unpipelined 2 (the same data axis).
+        unpiped = flat["compiled_matmul_flops_per_device"] / 4
+        assert zb["compiled_matmul_flops_per_device"] <= unpiped * (1 + pp["bubble_counted"])
+        assert zb["compiled_matmul_flops_per_device"] == pytest.approx(unpiped, rel=1e-3)
+        assert one["compiled_matmul_flops_per_device"] > unpiped * (1 + one["pipeline"]["bubble_counted"])
+        # Held per stage: at most S + 1 microbatches' residuals (and S of W's operand sets).
+        assert pp["in_flight"] <= S + 1
+        # Nothing over stage but the moves and the embedding's and head's gradients (summed once).
+        assert pp["other_stage_bytes"] < one["pipeline"]["other_stage_bytes"]
 
 
 def test_interleaved_zb_idles_a_third_of_what_1f1b_idles(scheduled_dry_runs):
     """Two chunks per stage halve the forward and input-gradient passes' idle ticks (each a chunk),
     and the weight passes run where every stage has one: counted in the compiled step, each stage
-    idles (S - 1) pass-lengths per step against 1F1B's 3 (S - 1) (ZB-H1's published bubble, in one
-    lockstep program). W's operands wait chunk-sized, so it holds less than ZB-H1; and the work
-    1F1B does in its bubble is not compiled."""
+    idles (S - 1) pass-lengths per step against 1F1B's 3 (S - 1): ZB-H1's bubble, with every stage
+    running the same passes in each tick (no collectives that differ between stages). W's operands
+    wait chunk-sized, so it holds less than ZB-H1; and the work 1F1B does in its bubble is not
+    compiled."""
     S, R = 4, 2
     temp = {k: r["per_device_bytes"]["temporaries"] for k, r in scheduled_dry_runs.items()}
     for m in (8, 16):
@@ -334,7 +480,9 @@ def test_interleaved_zb_idles_a_third_of_what_1f1b_idles(scheduled_dry_runs):
         # Idle over useful work (the same 3 M pass-lengths for both).
         idle = lambda b: b / (1 - b)  # noqa: E731
         assert idle(pp["bubble_counted"]) <= idle(one["pipeline"]["bubble_counted"]) / 3 * (1 + 1e-9)
-        assert pp["bubble_counted"] < scheduled_dry_runs["zb_h1", m]["pipeline"]["bubble_counted"]
+        assert pp["bubble_counted"] == pytest.approx(
+            scheduled_dry_runs["zb_h1", m]["pipeline"]["bubble_counted"]
+        )
         # 1F1B's layers cost (M + S - 1) (F + B + W); these (M + (S - 1) / 2) (F + B) + M W.
         saved = 1 - zb["compiled_matmul_flops_per_device"] / one["compiled_matmul_flops_per_device"]
         expected = 2 * (S - 1) / (3 * (m + S - 1))

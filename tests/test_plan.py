@@ -246,8 +246,9 @@ def test_pipelines_are_offered_with_scheduled_backwards_and_win_only_over_slow_l
     )
     assert "DCN axes stage" in lines[i]
     assert lines[i + 1] == (
-        "     why: zb_h1 runs the weight gradients in ticks where every stage has work and holds at most 3 "
-        "microbatches per stage whatever M, so M = 16: bubble 4.0% (1f1b's 5.9%; GPipe at M = 2: 33.3%)"
+        "     why: zb_h1 runs one pass per stage and tick (forward, input or weight gradient), idling a third "
+        "of what 1f1b does, and holds at most 2 microbatches per stage whatever M, so M = 16: bubble 2.0% "
+        "(1f1b's 5.9%; GPipe at M = 2: 33.3%)"
     )
     assert lines[i + 2].startswith(
         "     run: spmd-train --config tiny --dcn-mesh stage=2 --mesh fsdp=4 --rules pp_fsdp"
@@ -263,7 +264,7 @@ def test_planner_offers_interleaved_zb_where_each_stage_holds_two_layer_groups(
     devices, config, layers, offered
 ):
     """Beside 1f1b and zb_h1, interleaved_zb with 2 repeats where the layer groups split into 2 S:
-    its bubble a third of 1f1b's idle time."""
+    zb_h1's bubble (a third of 1f1b's idle time) with every stage on the same pass each tick."""
     from spmd.assembly.planner import schedule_offers
     from spmd.assembly.setup import assemble
 
@@ -274,5 +275,5 @@ def test_planner_offers_interleaved_zb_where_each_stage_holds_two_layer_groups(
     assert ("pipeline.schedule=zb_h1", "pipeline.microbatches=16") in offers
     izb = ("pipeline.schedule=interleaved_zb", "pipeline.repeats=2", "pipeline.microbatches=16")
     assert (izb in offers) == offered
-    if offered:  # S = 2, M = 16: 2 (S - 1) / (3 M R + 2 (S - 1)) = 2 / 98
-        assert "bubble 2.0% (zb_h1's 4.0%, 1f1b's 5.9%)" in offers[izb]
+    if offered:  # S = 2, M = 16: 2 (S - 1) / (3 M R + 2 (S - 1)) = 2 / 98, zb_h1's (S - 1) / (3 M + S - 1)
+        assert "bubble 2.0% (zb_h1's 2.0%, 1f1b's 5.9%)" in offers[izb]

@@ -146,10 +146,10 @@ def _holds_scope(comps, comp: str, tag: str) -> bool:
 def _multipliers(comps, entry, all_branches: bool = False, taken: dict[str, float] | None = None) -> dict:
     """How many times each computation runs per execution of the entry computation.
     `all_branches`: every branch of a conditional counted as if it ran (an upper bound: one does);
-    else only the first is followed, except that a two-way conditional with a branch holding a
-    scope named in `taken` ({scope: share of the conditional's runs that take that branch}, which
-    the program that made the conditional knows) counts that branch at its share and the other
-    at the rest."""
+    else only the first is followed, except that a conditional whose branches hold scopes named
+    in `taken` ({scope: share of the conditional's runs that take that branch}, which the program
+    that made the conditional knows) counts each branch at its share (one branch without a scope
+    at the rest)."""
     mult = collections.defaultdict(int)
     mult[entry] = 1
     order = [entry]
@@ -193,17 +193,16 @@ def _multipliers(comps, entry, all_branches: bool = False, taken: dict[str, floa
 
 
 def _branch_shares(comps, names, taken) -> list[float] | None:
-    """Each branch's share of a two-way conditional's runs, where one branch holds a scope of
-    `taken`."""
-    if not taken or len(names) != 2:
+    """Each branch's share of a conditional's runs, where every branch but at most one holds one
+    scope of `taken` (that one takes what the others leave: an idle branch)."""
+    if not taken:
         return None
-    for scope, share in taken.items():
-        held = [_holds_scope(comps, b, f"/{scope}/") for b in names]
-        if held == [False, True]:
-            return [1 - share, share]
-        if held == [True, False]:
-            return [share, 1 - share]
-    return None
+    held = [[scope for scope in taken if _holds_scope(comps, b, f"/{scope}/")] for b in names]
+    if any(len(h) > 1 for h in held) or sum(not h for h in held) > 1 or all(not h for h in held):
+        return None
+    shares = [taken[h[0]] if h else None for h in held]
+    rest = 1 - sum(x for x in shares if x is not None)
+    return [rest if x is None else x for x in shares]
 
 
 def _iota_groups(spec: str) -> np.ndarray | None:

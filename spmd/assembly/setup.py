@@ -101,22 +101,24 @@ class Setup:
 
 def before_jax_starts(
     config: str | Config | None, overrides: Sequence[str] = (), *, may_relaunch: bool = False
-) -> None:
+) -> Config | None:
     """What a run sets up in the process before JAX starts: `cpu.host_heap` (spmd/platform/hostmem.py;
     with `may_relaunch`, a command run from its command line, the process may be replaced by the
     same command under tbbmalloc). Commands call it first; bad input is left for assemble to report.
     `config=None`: a command that reads its config from a checkpoint once JAX runs (spmd-sample,
-    spmd-eval) gets cpu.host_heap's default."""
+    spmd-eval) gets cpu.host_heap's default. Returns the config (None where it is not known yet, or
+    is bad)."""
     if config is None:
         hostmem.prepare(policy.CpuConfig.host_heap, may_relaunch)  # the field's default
-        return
+        return None
     try:
         cfg = (
             load_config(config, overrides) if isinstance(config, str) else apply_overrides(config, overrides)
         )
     except UserError:
-        return
+        return None
     hostmem.prepare(cfg.cpu.host_heap, may_relaunch)
+    return cfg
 
 
 def assemble(

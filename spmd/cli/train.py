@@ -127,8 +127,13 @@ def run(args, may_relaunch: bool = False) -> int:
 
         print(keys_table(load_config(args.config or "small", overrides)))
         return 0
-    before_jax_starts(args.config or "small", overrides, may_relaunch=may_relaunch)
-    distributed.initialize_from_flags(args)
+    from spmd.parallel.pipeline import DIVERGING
+
+    cfg = before_jax_starts(args.config or "small", overrides, may_relaunch=may_relaunch)
+    # ZB-H1's stages run different passes, and so different collectives, at once.
+    distributed.initialize_from_flags(
+        args, diverging_collectives=cfg is not None and cfg.pipeline.schedule in DIVERGING
+    )
     import jax
 
     from spmd import run as run_lib

@@ -135,6 +135,15 @@ def rules_replaced(rules):
         yield
 
 
+@contextlib.contextmanager
+def mesh_replaced(rules, mesh):
+    """The active parallel ops under other rules and another mesh (inside a region manual over
+    some axes: its abstract mesh, whose manual axes the rules leave out)."""
+    current = _ACTIVE.get()
+    with activation_sharding(rules, mesh, current.ops):
+        yield
+
+
 def active():
     """The (rules, mesh) pair active while tracing, or None (one device, tests, eval_shape)."""
     current = _ACTIVE.get()

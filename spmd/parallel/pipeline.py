@@ -56,6 +56,8 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", 
 SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 # Scheduled with each backward split into the input's and the weights' gradient (zero-bubble).
 SPLIT = ("zb_h1", "interleaved_zb")
+# Scheduled with stages that run different passes in the same tick (scheduled._diverged).
+DIVERGING = ("zb_h1",)
 WITH_REPEATS = ("circular", "interleaved_1f1b", "interleaved_zb")
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
 
@@ -123,7 +125,9 @@ class Schedule:
     @property
     def ticks(self) -> "scheduled.Ticks":
         """The tick plan of a scheduled backward."""
-        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.split)
+        return scheduled.Ticks(
+            self.stages, self.microbatches, self.repeats, split=self.split, diverge=self.name in DIVERGING
+        )
 
     @property
     def split(self) -> bool:
@@ -145,8 +149,11 @@ class Schedule:
         backwards (scheduled.py's lockstep ticks run the forward and backward passes S - 1 ticks
         apart, each tick's weight gradient with its backward), 2 (S - 1) / (3 M R + 2 (S - 1)) for
         the split ones (their R M chunk-sized weight-gradient passes run in ticks that have work for
-        every stage)."""
+        every stage), (S - 1) / (3 M + S - 1) for ZB-H1, whose stages run one pass each per tick
+        (zero_bubble.py)."""
         S, M, R = self.stages, self.microbatches, self.repeats
+        if self.name in DIVERGING:
+            return (S - 1) / (3 * M + S - 1)
         if self.split:
             return 2 * (S - 1) / (3 * M * R + 2 * (S - 1))
         return (S - 1) / (M * R + S - 1)
@@ -154,8 +161,10 @@ class Schedule:
     @property
     def bubble_formula(self) -> str:
         """`bubble_fraction` in S, M and R."""
+        if self.name in DIVERGING:
+            return "(S-1)/(3M+S-1)"
         if self.split:
-            return "2(S-1)/(3M+2(S-1))" if self.repeats == 1 else "2(S-1)/(3M*R+2(S-1))"
+            return "2(S-1)/(3M*R+2(S-1))"
         return "(S-1)/(M*R+S-1)"
 
     @property

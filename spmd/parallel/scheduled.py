@@ -27,15 +27,18 @@ stage, its backward at tick m + 2S - 2 - s. Ticks: R M + R S + S - 2, in three p
 - 1 ticks, backwards only). Each stage does R M forwards and R M backwards of a chunk in R M + S - 1
 ticks of each pass: the bubble is (S - 1) / (R M + S - 1), GPipe's and circular's.
 
-ZB-H1 and interleaved zero-bubble (`Ticks.split`) cut each backward in two (split_backward.py): B,
-the input's gradient, at the tick above, and W, the weights' gradient, of a microbatch's chunk on
-every stage at the tick stage 0 runs that chunk's B (m + 2S - 2 with R = 1): the R M weight passes
-run in ticks where every stage has one, so a step is (R M + S - 1) (F + B) / R + M W, not (R M + S
-- 1) (F + B + W) / R. What W reads from B (per layer, each weight matmul's operands: the cotangent at
-its output and, under remat, its recomputed input) waits in a ring of S slots (stage s's W runs s
-ticks after its B; the slot is the microbatch's place j in its group); the forward residuals W also
-reads stay in theirs, which 2 R S - 1 slots cover (W runs at most 2 R S - 2 ticks after the
-forward).
+Interleaved zero-bubble (`Ticks.split`) cuts each backward in two (split_backward.py): B, the
+input's gradient, at the tick above, and W, the weights' gradient, of a microbatch's chunk on
+every stage at the tick stage 0 runs that chunk's B: the R M weight passes run in ticks where every
+stage has one, so a step is (R M + S - 1) (F + B) / R + M W, not (R M + S - 1) (F + B + W) / R. What
+W reads from B (per layer, each weight matmul's operands: the cotangent at its output and, under
+remat, its recomputed input) waits in a ring of S slots (stage s's W runs s ticks after its B; the
+slot is the microbatch's place j in its group); the forward residuals W also reads stay in
+theirs, which 2 R S - 1 slots cover (W runs at most 2 R S - 2 ticks after the forward).
+
+ZB-H1 (`Ticks.diverge`, R = 1) is not lockstep: its stages run different passes in the same tick
+(`_diverged`, in a `shard_map` manual over the stage axes, the passes above traced once on one
+stage), from zero_bubble.py's table.
 
 The whole schedule is one `jax.custom_vjp` whose forward computes the loss and every gradient (the
 layers', the head's, and the stage-0 input's, which autodiff carries back into the embedding); its
@@ -47,17 +50,19 @@ Legend: S stages, R chunks (repeats) per stage, M microbatches, K residual slots
 microbatch, T sequence, D embed.
 """
 
+import contextlib
 import dataclasses
 import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jax_core
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from spmd.core.logical import rules_replaced
-from spmd.parallel import split_backward
+from spmd.core.logical import mesh_replaced, rules_replaced
+from spmd.parallel import split_backward, zero_bubble
 
 # The named scopes of the activations' and the gradients' moves between stages.
 FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
@@ -66,6 +71,10 @@ WEIGHT_SCOPE = "pipeline_weight"
 # The named scope of the head and loss on the microbatch leaving the last stage, run conditionally
 # when R > 1 (its share of the ticks is `Ticks.branch_shares`).
 TAIL_SCOPE = "pipeline_tail"
+# ZB-H1 with stages that diverge: the named scope of each branch of a tick's switch (the last is
+# the idle one, with nothing in it), prefixed by PASS_SCOPE.
+PASS_SCOPE = "pipeline_pass_"
+BRANCHES = ("forward_first", "forward", "forward_last", "input_grad_first", "input_grad", "weight", "idle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +88,36 @@ class Ticks:
     # gradient (B, at the backward's tick) and the weights' (W, deferred on every stage to the tick
     # stage 0 runs B of the same microbatch chunk).
     split: bool = False
+    # ZB-H1 with stages that diverge (R = 1, split): each tick each stage runs the one pass its row
+    # of zero_bubble.table names, in a conditional (`_diverged`).
+    diverge: bool = False
 
     @property
     def total(self) -> int:
         S, M, R = self.stages, self.microbatches, self.repeats
+        if self.diverge:
+            return self.table.ticks
         return R * M + R * S + S - 2
+
+    @property
+    def table(self) -> "zero_bubble.Table":
+        return zero_bubble.table(self.stages, self.microbatches)
+
+    def branches(self) -> np.ndarray:
+        """(S, T): the index in BRANCHES of the branch stage s runs at tick t (diverge)."""
+        tab, S = self.table, self.stages
+        by_kind = {zero_bubble.FORWARD: "forward", zero_bubble.INPUT_GRAD: "input_grad",
+                   zero_bubble.WEIGHT_GRAD: "weight", zero_bubble.IDLE: "idle"}  # fmt: skip
+        out = np.zeros(tab.kind.shape, np.int32)
+        for s in range(S):
+            for t, kind in enumerate(tab.kind[s]):
+                name = by_kind[int(kind)]
+                if name in ("forward", "input_grad") and s == 0:
+                    name += "_first"
+                elif name == "forward" and s == S - 1:
+                    name += "_last"
+                out[s, t] = BRANCHES.index(name)
+        return out
 
     @property
     def warmup(self) -> int:
@@ -100,6 +134,8 @@ class Ticks:
         """Residual slots per stage: the most microbatch chunks one stage holds between their
         forward and their backward (2 R S - 1 for stage 0's first chunk), or all R M if fewer."""
         S, M, R = self.stages, self.microbatches, self.repeats
+        if self.diverge:
+            return self.table.residual_slots
         return min(2 * R * S - 1, R * M)
 
     @property
@@ -125,6 +161,11 @@ class Ticks:
         R > 1 the tail runs on M of the steady ticks (R M + S - 1 - (R S - 1) of them), where a
         microbatch leaves its last chunk. Stage 0's embedding gradient is conditional too, with no
         matmul."""
+        if self.diverge:
+            # Every device runs the tick's conditional T times; a branch's share is its runs over
+            # all stages' ticks (the count is then the mean over stages).
+            counts = np.bincount(self.branches().ravel(), minlength=len(BRANCHES)) / self.branches().size
+            return {PASS_SCOPE + name: float(c) for name, c in zip(BRANCHES[:-1], counts, strict=False)}
         if self.repeats == 1:
             return {}
         return {TAIL_SCOPE: self.microbatches / (self.steady_end - self.warmup)}
@@ -188,9 +229,22 @@ def loss(layers_fn, embed, inputs, w, side, *, head, tail, rows, ticks: Ticks, t
     gradient flows back from them."""
     M = ticks.microbatches
     inputs_b = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // M, *a.shape[1:]), a.dtype), inputs)
-    with rules_replaced(tail_rules):
+    # Under ZB-H1 with stages that diverge the embedding and head run inside a region manual over
+    # the stage axes: traced for its mesh and rules. The embedding's table is looked up whole there
+    # (gathered for each lookup, as FSDP gathers a layer's weights): XLA's partitioner aborts on a
+    # lookup in a table split over the automatic axes inside a region manual over others (a check
+    # on its device groups), whether its rows or its columns are split.
+    if ticks.diverge:
+        region = _region_rules(kw["inner"], kw["axes"])
+        table_whole = dataclasses.replace(region, mapping={**region.mapping, "vocab": (), "embed": ()})
+        embedding_tracing = _region_tracing(table_whole, kw["axes"], kw["mesh"])
+        head_tracing = _region_tracing(region, kw["axes"], kw["mesh"])
+    else:
+        embedding_tracing, head_tracing = rules_replaced(tail_rules), rules_replaced(tail_rules)
+    with embedding_tracing:
         embed_pure, embed_consts = jax.closure_convert(embed, inputs_b)
         y_example = jax.eval_shape(embed, inputs_b)
+    with head_tracing:
         head_pure, head_consts = jax.closure_convert(head, y_example)
 
     def run(embed_consts, w, head_consts, trained):
@@ -242,7 +296,13 @@ def _schedule(
             x_bTD = embed_pure(jax.tree.map(lambda a: a[m], inputs_M), *consts)
         return constrain(x_bTD, res_spec)
 
-    y_example = jax.eval_shape(embed_rows, embed_consts, 0)
+    if ticks.diverge:
+        with _region_tracing(_region_rules(inner, axes), axes, mesh):
+            y_example = jax.eval_shape(
+                lambda c: embed_pure(jax.tree.map(lambda a: a[0], inputs_M), *c), embed_consts
+            )
+    else:
+        y_example = jax.eval_shape(embed_rows, embed_consts, 0)
     _, T, D = y_example.shape
 
     def tail_loss(consts, y_bTD, rows_b):
@@ -333,6 +393,15 @@ def _schedule(
 
         with jax.named_scope(FORWARD_SCOPE if shift > 0 else BACKWARD_SCOPE):
             return permute(x_S)
+
+    if ticks.diverge:
+        return _diverged(
+            ticks, stage_fwd, stored_fwd, one, derived, embed_rows_pure=(embed_pure, embed_consts),
+            head=(head_pure, head_consts), tail=tail, w=w, trained=trained, inputs_M=inputs_M,
+            side_M=side_M, rows_M=rows_M, y_example=y_example, aux_loss=aux_loss,
+            combine_stats=combine_stats, canonical=canonical, axes=axes, res_spec=res_spec,
+            inner=inner, mesh=mesh,
+        )  # fmt: skip
 
     # Shapes of the residual ring, the statistics and their sums (one chunk of microbatch 0).
     w0 = chunk_of(w, jnp.zeros(S, jnp.int32))
@@ -513,3 +582,223 @@ def _schedule(
     stats = None if stats0 is None else combine_stats(canonical(carry["stats"]), M)
     loss = carry["loss"] + (aux_loss(stats) if stats is not None else 0.0)
     return (loss, carry["sums"], stats), (carry["g_embed"], carry["g_w"], carry["g_head"])
+
+
+def _region_rules(inner, axes):
+    """The layers' rules inside a region manual over the stage axes: those axes left out."""
+    return dataclasses.replace(
+        inner,
+        mapping={name: tuple(a for a in mapped if a not in axes) for name, mapped in inner.mapping.items()},
+    )
+
+
+@contextlib.contextmanager
+def _region_tracing(rules, axes, mesh):
+    """Tracing as inside `_diverged`'s region: its abstract mesh (the stage axes manual), under
+    `rules` (which leave those axes out)."""
+    region = mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in axes})
+    with jax.sharding.use_abstract_mesh(region), mesh_replaced(rules, region):
+        yield
+
+
+def _diverged(
+    ticks, stage_fwd, stored_fwd, one, derived, *, embed_rows_pure, head, tail, w, trained, inputs_M,
+    side_M, rows_M, y_example, aux_loss, combine_stats, canonical, axes, res_spec, inner, mesh,
+):  # fmt: skip
+    """ZB-H1 with stages that diverge (zero_bubble.py's table): a `shard_map` manual over the
+    stage axes, in which each tick every stage runs the pass its row of the table names, one
+    `lax.switch` on it, and then sends what its forward made to the next stage and what its
+    input-gradient pass made to the previous one (two collective-permutes every stage runs). The
+    passes are `_schedule`'s, traced once on one stage; the other mesh axes stay automatic inside.
+
+    On XLA:CPU this needs the gloo collectives (a `jax.distributed` client, one process is
+    enough): its in-process ones rendezvous over every device, so collectives that different
+    stages reach in different branches wait for each other or exchange the wrong values."""
+    S, M = ticks.stages, ticks.microbatches
+    tab = zero_bubble.table(S, M)
+    (embed_pure, embed_consts), (head_pure, head_consts) = embed_rows_pure, head
+    b, T, D = y_example.shape
+    K, Kw, Ki, Kc = tab.residual_slots, tab.saved_slots, tab.input_slots, tab.cotangent_slots
+    region_rules = _region_rules(inner, axes)
+    branch_of = ticks.branches()  # (S, T): the branch each stage runs at each tick
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
+    spec_of = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+
+    def get(ring, i):
+        return jax.lax.dynamic_index_in_dim(ring, i, 0, keepdims=False)
+
+    def put(ring, i, x):
+        return jax.lax.dynamic_update_index_in_dim(ring, x.astype(ring.dtype), i, 0)
+
+    def region(w_loc, embed_consts, head_consts, inputs_M, side_M, rows_M):
+        s = jax.lax.axis_index(axes)
+        amesh = jax.sharding.get_abstract_mesh()
+
+        def constrain(x, spec):
+            return jax.lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
+
+        with mesh_replaced(region_rules, amesh):
+            w_c = jax.tree.map(lambda a: a[0, 0], w_loc)
+            side0 = jax.tree.map(lambda a: a[0], side_M)
+            x0 = jax.ShapeDtypeStruct((b, T, D), y_example.dtype)
+            # Traced once here, run from their jaxprs in the branches (a pullback traced inside a
+            # branch may hold other residuals than the one the rings were shaped from).
+            derived.fn, derived.depends = weight_only(stage_fwd, x0, spec_of(w_c), spec_of(side0))
+            fwd_closed, (out_s, stats_s, res_s) = jax.make_jaxpr(stored_fwd, return_shape=True)(
+                x0, spec_of(w_c), spec_of(side0)
+            )
+            fwd_def = jax.tree.structure((out_s, stats_s, res_s))
+            recomputed_s = jax.eval_shape(derived.fn, *jax.tree.leaves((spec_of(w_c), spec_of(side0))))
+            args = (res_s, recomputed_s, spec_of(w_c), spec_of(side0), x0, stats_s)
+            flat_args, args_def = jax.tree.flatten(args)
+
+            def flat_one(*flat):
+                g_x, g_w = one(*jax.tree.unflatten(args_def, flat))
+                return [g_x, *jax.tree.leaves(g_w)]
+
+            n_given = len(jax.tree.leaves(args[:4]))
+            cut = split_backward.split(
+                jax.make_jaxpr(flat_one)(*flat_args), 1, [i < n_given for i in range(len(flat_args))]
+            )
+            saved_s = jax.eval_shape(lambda *f: cut.first(*f)[1], *flat_args)
+            stats_ct = None
+            if stats_s is not None:
+                # The gradient of the (linear) auxiliary loss in each microbatch's statistics.
+                acc = jax.tree.map(lambda a: jnp.zeros((S, 1, *a.shape), jnp.float32), stats_s)
+                stats_ct = jax.grad(lambda acc: aux_loss(combine_stats(canonical(acc), M)))(acc)
+                stats_ct = jax.tree.map(lambda c, a: c[s, 0].astype(a.dtype), stats_ct, stats_s)
+
+            def forward(x, w_c, side_b):
+                flat = jax.tree.leaves((x, w_c, side_b))
+                return jax.tree.unflatten(fwd_def, jax_core.jaxpr_as_fun(fwd_closed)(*flat))
+
+            def embed(consts, m):
+                return constrain(embed_pure(jax.tree.map(lambda a: get(a, m), inputs_M), *consts), res_spec)
+
+            def forward_pass(place):
+                def branch(c, m, w_c):
+                    c = dict(c)
+                    side_b = jax.tree.map(lambda a: get(a, m), side_M)
+                    x = embed(embed_consts, m) if place == "first" else get(c["inputs"], m % Ki)
+                    out, stats, res = forward(x, w_c, side_b)
+                    c["res"] = [put(r, m % K, v) for r, v in zip(c["res"], res, strict=True)]
+                    if stats is not None:
+                        c["stats"] = jax.tree.map(jnp.add, c["stats"], stats)
+                    if place == "last":
+                        rows_b = jax.tree.map(lambda a: get(a, m), rows_M)
+                        with jax.named_scope(TAIL_SCOPE):
+                            (loss, sums), pull = jax.vjp(
+                                lambda h, y: tail(head_pure(y, *h), rows_b), head_consts, out
+                            )
+                            g_head, g_y = pull((jnp.ones_like(loss), zeros(sums)))
+                        c["loss"] = c["loss"] + loss
+                        c["sums"] = jax.tree.map(jnp.add, c["sums"], sums)
+                        c["g_head"] = jax.tree.map(jnp.add, c["g_head"], g_head)
+                        c["cotangents"] = put(c["cotangents"], m % Kc, g_y)
+                    else:
+                        c["send_f"] = out.astype(c["send_f"].dtype)
+                    return c
+
+                return branch
+
+            def input_grad_pass(place):
+                def branch(c, m, w_c):
+                    c = dict(c)
+                    side_b = jax.tree.map(lambda a: get(a, m), side_M)
+                    res = [get(r, m % K) for r in c["res"]]
+                    recomputed = derived.fn(*jax.tree.leaves((w_c, side_b)))
+                    g = get(c["cotangents"], m % Kc)
+                    (g_in,), saved = cut.first(*jax.tree.leaves((res, recomputed, w_c, side_b, g, stats_ct)))
+                    c["saved"] = [put(r, m % Kw, v) for r, v in zip(c["saved"], saved, strict=True)]
+                    c["send_b"] = g_in.astype(c["send_b"].dtype)
+                    if place == "first":
+                        _, pull = jax.vjp(lambda consts: embed(consts, m), embed_consts)
+                        c["g_embed"] = jax.tree.map(jnp.add, c["g_embed"], pull(g_in)[0])
+                    return c
+
+                return branch
+
+            def weight_pass(c, m, w_c):
+                c = dict(c)
+                side_b = jax.tree.map(lambda a: get(a, m), side_M)
+                res = [get(r, m % K) for r in c["res"]]
+                recomputed = derived.fn(*jax.tree.leaves((w_c, side_b)))
+                saved = [get(r, m % Kw) for r in c["saved"]]
+                g_w = iter(cut.second(jax.tree.leaves((res, recomputed, w_c, side_b)), saved))
+                c["g_w"] = [None if acc is None else acc + next(g_w) for acc in c["g_w"]]
+                return c
+
+            def scoped(name, fn):
+                def run(c, m, w_c):
+                    with jax.named_scope(name):
+                        return fn(c, m, w_c)
+
+                return run
+
+            passes = {
+                "forward_first": forward_pass("first"), "forward": forward_pass("middle"),
+                "forward_last": forward_pass("last"), "input_grad_first": input_grad_pass("first"),
+                "input_grad": input_grad_pass("middle"), "weight": weight_pass,
+            }  # fmt: skip
+            branches = [scoped(PASS_SCOPE + name, passes[name]) for name in BRANCHES[:-1]]
+            branches.append(lambda c, m, w_c: c)  # idle
+
+            def act(shape):  # activations' rings and buffers: (..., b, T, D)
+                return constrain(
+                    jnp.zeros(shape, y_example.dtype), PartitionSpec(*[None] * (len(shape) - 3), *res_spec)
+                )
+
+            carry = {
+                "inputs": act((Ki, b, T, D)),
+                "cotangents": act((Kc, b, T, D)),
+                "send_f": act((b, T, D)),
+                "send_b": act((b, T, D)),
+                "res": [jnp.zeros((K, *r.shape), r.dtype) for r in res_s],
+                "saved": [jnp.zeros((Kw, *r.shape), r.dtype) for r in saved_s],
+                "stats": zeros(stats_s),
+                "g_w": [jnp.zeros_like(a) if t else None for a, t in zip(jax.tree.leaves(w_c), trained, strict=True)],
+                "g_embed": zeros(embed_consts),
+                "g_head": zeros(head_consts),
+            }  # fmt: skip
+            tail_s = jax.eval_shape(
+                lambda h, y, r: tail(head_pure(y, *h), r),
+                head_consts,
+                out_s,
+                jax.tree.map(lambda a: a[0], rows_M),
+            )
+            carry["loss"], carry["sums"] = zeros(tail_s)
+            branch_T = jnp.asarray(branch_of)[s]
+            micro_T = jnp.asarray(tab.microbatch)[s]
+            arrives_f_T = jnp.asarray(tab.arrives_forward)[s]
+            arrives_b_T = jnp.asarray(tab.arrives_backward)[s]
+
+            def receive(ring, slots, m, x):
+                i = jnp.maximum(m, 0) % slots
+                return put(ring, i, jnp.where(m >= 0, x, get(ring, i)))
+
+            def tick(c, t):
+                c = jax.lax.switch(branch_T[t], branches, c, micro_T[t], w_c)
+                with jax.named_scope(FORWARD_SCOPE):
+                    from_prev = jax.lax.ppermute(c["send_f"], axes, [(i, i + 1) for i in range(S - 1)])
+                with jax.named_scope(BACKWARD_SCOPE):
+                    from_next = jax.lax.ppermute(c["send_b"], axes, [(i + 1, i) for i in range(S - 1)])
+                c = dict(c)
+                c["inputs"] = receive(c["inputs"], Ki, arrives_f_T[t], from_prev)
+                c["cotangents"] = receive(c["cotangents"], Kc, arrives_b_T[t], from_next)
+                return c, None
+
+            c, _ = jax.lax.scan(tick, carry, jnp.arange(tab.ticks))
+            # Stage 0 has the embedding's gradient and the last stage the head's and the loss.
+            total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, axes), tree)  # noqa: E731
+            g_w = [None if g is None else g[None, None] for g in c["g_w"]]
+            stats = jax.tree.map(lambda a: a[None, None], c["stats"])
+            return total(c["loss"]), total(c["sums"]), stats, total(c["g_embed"]), g_w, total(c["g_head"])
+
+    stage, whole = PartitionSpec(axes), PartitionSpec()
+    loss, sums, stats_acc, g_embed, g_w, g_head = jax.shard_map(
+        region, mesh=mesh, in_specs=(stage, whole, whole, whole, whole, whole),
+        out_specs=(whole, whole, stage, whole, stage, whole), axis_names=set(axes), check_vma=False,
+    )(w, embed_consts, head_consts, inputs_M, side_M, rows_M)  # fmt: skip
+    stats = None if stats_acc is None else combine_stats(canonical(stats_acc), M)
+    loss = loss + (aux_loss(stats) if stats is not None else 0.0)
+    return (loss, sums, stats), (g_embed, g_w, g_head)

@@ -48,9 +48,14 @@ def initialize(
     process_id: int | None = None,
     init_timeout: int = 60,
     heartbeat_timeout: int = 30,
+    *,
+    diverging_collectives: bool = False,
 ) -> None:
     """Join the job (see module doc); call before anything asks JAX for devices. Unset arguments
-    come from the environment, as `add_flags`' flags do."""
+    come from the environment, as `add_flags`' flags do. `diverging_collectives`: the run's devices
+    reach different collectives at once (a pipeline whose stages diverge), so a plain single
+    process still starts JAX's runtime, as a job of one: on CPU that is what gives it the gloo
+    collectives, which handle that (`collectives_may_diverge`)."""
     import jax
 
     coordinator = coordinator or os.environ.get(ENV["coordinator"])
@@ -60,6 +65,15 @@ def initialize(
     if coordinator is None and n is None and i is None:
         if _cluster_detected():
             _join(lambda: jax.distributed.initialize(**timeouts), "the cluster JAX detected", init_timeout)
+        elif diverging_collectives:
+            address = f"127.0.0.1:{_free_port()}"
+            _join(
+                lambda: jax.distributed.initialize(
+                    coordinator_address=address, num_processes=1, process_id=0, **timeouts
+                ),
+                f"a job of one process on {address}",
+                init_timeout,
+            )
         return
     if coordinator is None or n is None or i is None:
         raise UserError(
@@ -85,11 +99,33 @@ def initialize(
     )
 
 
-def initialize_from_flags(args) -> None:
+def initialize_from_flags(args, *, diverging_collectives: bool = False) -> None:
     """`initialize` with the values of the flags `add_flags` added."""
     initialize(
-        args.coordinator, args.num_processes, args.process_id, args.init_timeout, args.heartbeat_timeout
-    )
+        args.coordinator, args.num_processes, args.process_id, args.init_timeout, args.heartbeat_timeout,
+        diverging_collectives=diverging_collectives,
+    )  # fmt: skip
+
+
+def collectives_may_diverge(devices) -> bool:
+    """Whether a program may run different collectives on different devices at once on `devices`.
+    XLA:CPU's in-process collectives (a single process without JAX's runtime) cannot: they
+    rendezvous over every device of the program, so devices at different collectives wait for
+    each other or swap the wrong values; its gloo collectives, which `jax.distributed` brings (a
+    job of one process is enough), can, as accelerators' can."""
+    import jax
+
+    if len(devices) <= 1 or devices[0].platform != "cpu":
+        return True
+    return jax.distributed.is_initialized() and jax.config.jax_cpu_collectives_implementation == "gloo"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_for_coordinator(host: str, port: int, timeout: int) -> None:

@@ -185,6 +185,31 @@ def preference_losses(
     return total, (total, jnp.zeros((), jnp.float32), pairs, sums)
 
 
+class _DivergingStep:
+    """A jitted step whose devices run different collectives at once (a pipeline whose stages
+    diverge), refused when first run where they cannot (spmd.platform.distributed.
+    collectives_may_diverge); compiling it (`lower`, a dry-run) needs nothing."""
+
+    def __init__(self, step, devices, schedule: str):
+        self.step, self.devices, self.schedule, self.checked = step, devices, schedule, False
+
+    def __call__(self, *args, **kwargs):
+        if not self.checked:
+            if not distributed.collectives_may_diverge(self.devices):
+                raise UserError(
+                    f"pipeline.schedule={self.schedule} runs different collectives on different stages at "
+                    f"once, which XLA:CPU's in-process collectives cannot: train with spmd-train (it starts "
+                    f"JAX's runtime, and with it gloo collectives), or call jax.distributed.initialize("
+                    f"'127.0.0.1:PORT', num_processes=1, process_id=0) before JAX starts; "
+                    f"pipeline.schedule=1f1b or interleaved_zb run without it"
+                )
+            self.checked = True
+        return self.step(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
 @dataclasses.dataclass
 class Trainer:
     """Everything needed to run jitted steps of one config on one mesh."""
@@ -563,14 +588,19 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
             compiler_options=choices.train_options,
         )  # fmt: skip
 
+    def runnable(step):
+        if plan.schedule is None or not plan.schedule.ticks.diverge:
+            return step
+        return _DivergingStep(step, list(plan.mesh.devices.flat), plan.schedule.name)
+
     return Trainer(
         cfg=cfg,
         plan=plan,
         tx=tx,
         state_shardings=state_shardings,
         update_shardings=update_shardings,
-        train_step=jit_step(),
-        guarded_step=lambda: jit_step(plan.replicated),
+        train_step=runnable(jit_step()),
+        guarded_step=lambda: runnable(jit_step(plan.replicated)),
         eval_step=build_eval_step(cfg, plan, choices),
         init_state=jax.jit(
             lambda: from_params(partition.without_added(plan.init_params(tcfg.seed))),
