@@ -381,17 +381,20 @@ def test_two_processes_syncing_across_the_dcn_axis_match_the_slices_simulated_in
     assert_losses_of(tmp_path / "run", setup, 4)
 
 
-def test_two_processes_with_the_stages_across_them_match_one(tmp_path):
-    """1F1B with --dcn-mesh stage=2 (one stage per process): the activations and gradients cross
-    processes by the schedule's permutes; losses equal the same mesh on one process."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_two_processes_with_the_stages_across_them_match_one(tmp_path, schedule):
+    """1F1B and ZB-H1 (whose stages run different passes at once) with --dcn-mesh stage=2 (one
+    stage per process): the activations and gradients cross processes by the schedule's permutes;
+    losses equal 1F1B on the same mesh in one process (which equals one device, as ZB-H1 does)."""
 
     from spmd.assembly.setup import assemble
 
-    sets = ["pipeline.schedule=1f1b", "pipeline.microbatches=2", "optimizer.schedule_steps=12"]
+    sets = ["pipeline.microbatches=2", "optimizer.schedule_steps=12"]
     result = launch(2, 4, "--dcn-mesh", "stage=2", "--mesh", "fsdp=2,tensor=2", "--rules", "pp_fsdp_tp",
-                    *(a for s in sets for a in ("--set", s)), "--steps", "3", "--eval-every", "0",
-                    "--run-dir", str(tmp_path / "run"))  # fmt: skip
+                    *(a for s in [f"pipeline.schedule={schedule}", *sets] for a in ("--set", s)), "--steps", "3",
+                    "--eval-every", "0", "--run-dir", str(tmp_path / "run"))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    setup = assemble("tiny", "stage=2,fsdp=2,tensor=2", "pp_fsdp_tp", overrides=[*sets, "train.steps=3"])
-    assert setup.plan.schedule.name == "1f1b"
+    assert f"pipeline: {schedule} over 2 stages" in result.stdout + result.stderr
+    setup = assemble("tiny", "stage=2,fsdp=2,tensor=2", "pp_fsdp_tp",
+                     overrides=["pipeline.schedule=1f1b", *sets, "train.steps=3"])  # fmt: skip
     assert_losses_of(tmp_path / "run", setup, 3)
