@@ -191,6 +191,9 @@ DIVERGED = {
     "moe-expert": ("tiny-moe", str(RULES / "pp_fsdp_ep.toml"), "stage=2,expert=2,fsdp=2",
                    ["model.n_layers=4", "moe.dispatch=dropless", "pipeline.microbatches=2"],
                    ["model.n_layers=4", "moe.dispatch=dropless", "train.microbatches=2"], 10),
+    # ZeRO-1 (the optimizer state split over data) under gradient accumulation
+    "zero1": ("tiny", str(RULES / "pp_zero1.toml"), "stage=2,data=2",
+              [*DEEP, "pipeline.microbatches=2", "train.microbatches=2"], None, 10),
     # LoRA: the weight pass computes the adapters' gradients alone
     "lora": ("tiny", "pp", "stage=2", ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2", "pipeline.microbatches=2"], None, 3),
 }  # fmt: skip
