@@ -164,7 +164,8 @@ class Ticks:
         if self.diverge:
             # Every device runs the tick's conditional T times; a branch's share is its runs over
             # all stages' ticks (the count is then the mean over stages).
-            counts = np.bincount(self.branches().ravel(), minlength=len(BRANCHES)) / self.branches().size
+            branches = self.branches()
+            counts = np.bincount(branches.ravel(), minlength=len(BRANCHES)) / branches.size
             return {PASS_SCOPE + name: float(c) for name, c in zip(BRANCHES[:-1], counts, strict=False)}
         if self.repeats == 1:
             return {}
@@ -445,12 +446,7 @@ def _schedule(
                       for a, ax in zip(saved0, derived.stage_axes, strict=True)]  # fmt: skip
     stats_acc = jax.tree.map(lambda s: jnp.zeros((S, R, *s.shape[1:]), s.dtype), stats0)
     # The gradient of the (linear) auxiliary loss in each microbatch's statistics: a constant.
-    stats_ct = None
-    if stats0 is not None:
-        stats_ct = jax.grad(lambda acc: aux_loss(combine_stats(canonical(acc), M)))(
-            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), stats_acc)
-        )
-        stats_ct = jax.tree.map(lambda c, s: c.astype(s.dtype), stats_ct, stats_acc)
+    stats_ct = None if stats0 is None else _aux_cotangent(aux_loss, combine_stats, canonical, M, stats_acc)
 
     tail_shapes = jax.eval_shape(tail_loss, head_consts, y_example, jax.tree.map(lambda a: a[0], rows_M))
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
@@ -584,6 +580,15 @@ def _schedule(
     return (loss, carry["sums"], stats), (carry["g_embed"], carry["g_w"], carry["g_head"])
 
 
+def _aux_cotangent(aux_loss, combine_stats, canonical, M, stats_acc):
+    """The gradient of the (linear) auxiliary loss in the statistics' sums `stats_acc` (leaves
+    (S, R, ...)): a constant, in their dtypes."""
+    ct = jax.grad(lambda acc: aux_loss(combine_stats(canonical(acc), M)))(
+        jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), stats_acc)
+    )
+    return jax.tree.map(lambda c, a: c.astype(a.dtype), ct, stats_acc)
+
+
 def _region_rules(inner, axes):
     """The layers' rules inside a region manual over the stage axes: those axes left out."""
     return dataclasses.replace(
@@ -615,7 +620,7 @@ def _diverged(
     enough): its in-process ones rendezvous over every device, so collectives that different
     stages reach in different branches wait for each other or exchange the wrong values."""
     S, M = ticks.stages, ticks.microbatches
-    tab = zero_bubble.table(S, M)
+    tab = ticks.table
     (embed_pure, embed_consts), (head_pure, head_consts) = embed_rows_pure, head
     b, T, D = y_example.shape
     K, Kw, Ki, Kc = tab.residual_slots, tab.saved_slots, tab.input_slots, tab.cotangent_slots
@@ -662,11 +667,11 @@ def _diverged(
             )
             saved_s = jax.eval_shape(lambda *f: cut.first(*f)[1], *flat_args)
             stats_ct = None
-            if stats_s is not None:
-                # The gradient of the (linear) auxiliary loss in each microbatch's statistics.
-                acc = jax.tree.map(lambda a: jnp.zeros((S, 1, *a.shape), jnp.float32), stats_s)
-                stats_ct = jax.grad(lambda acc: aux_loss(combine_stats(canonical(acc), M)))(acc)
-                stats_ct = jax.tree.map(lambda c, a: c[s, 0].astype(a.dtype), stats_ct, stats_s)
+            if stats_s is not None:  # this stage's share
+                acc = jax.tree.map(lambda a: jax.ShapeDtypeStruct((S, 1, *a.shape), a.dtype), stats_s)
+                stats_ct = jax.tree.map(
+                    lambda c: c[s, 0], _aux_cotangent(aux_loss, combine_stats, canonical, M, acc)
+                )
 
             def forward(x, w_c, side_b):
                 flat = jax.tree.leaves((x, w_c, side_b))
