@@ -385,7 +385,7 @@ def test_two_processes_syncing_across_the_dcn_axis_match_the_slices_simulated_in
 def test_two_processes_with_the_stages_across_them_match_one(tmp_path, schedule):
     """1F1B and ZB-H1 (whose stages run different passes at once) with --dcn-mesh stage=2 (one
     stage per process): the activations and gradients cross processes by the schedule's permutes;
-    losses equal 1F1B on the same mesh in one process (which equals one device, as ZB-H1 does)."""
+    losses equal GPipe on the same mesh in this process (which equals one device, as they do)."""
 
     from spmd.assembly.setup import assemble
 
@@ -396,5 +396,5 @@ def test_two_processes_with_the_stages_across_them_match_one(tmp_path, schedule)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"pipeline: {schedule} over 2 stages" in result.stdout + result.stderr
     setup = assemble("tiny", "stage=2,fsdp=2,tensor=2", "pp_fsdp_tp",
-                     overrides=["pipeline.schedule=1f1b", *sets, "train.steps=3"])  # fmt: skip
+                     overrides=["pipeline.schedule=gpipe", *sets, "train.steps=3"])  # fmt: skip
     assert_losses_of(tmp_path / "run", setup, 3)

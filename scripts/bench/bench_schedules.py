@@ -10,8 +10,9 @@ step time.
 interleaved_1f1b (repeats 2), zb_h1 and interleaved_zb (repeats 2; `--set pipeline.repeats=R` for another) at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
 microbatch, so the global batch is M x rows): per-chip peak and temporaries, the bubble analytic
 and counted, microbatch chunks in flight, and bytes sent over `stage`. Memory flat in M is the
-claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most 2 R S - 1
-(ZB-H1 at most S + 3, and S microbatches' weight-pass inputs besides).
+claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most S,
+interleaved 1F1B 2 R S - 1 chunks (ZB-H1 at most S + 3, and S microbatches' weight-pass inputs
+besides).
 
 `flops`: the same comparison on XLA:CPU for `tiny` (8 layers) on stage=4,data=2, where the
 compiled matmul FLOPs are parsed (the TPU compiler writes matmuls as convolutions, not parsed),
@@ -19,8 +20,8 @@ against data=8 without a pipeline at the same global batch: each schedule's FLOP
 unpipelined step's, beside 1 + its counted bubble.
 
 `time`: CPU step time of each schedule beside GPipe at the same M, in alternating rounds (A B A B),
-the median ratio quoted; in one process with JAX's runtime started, whose gloo collectives ZB-H1's
-diverging stages need (all schedules then run on them).
+the median ratio quoted; in one process with JAX's runtime started, whose gloo collectives the
+diverging stages of 1F1B and ZB-H1 need (all schedules then run on them).
 """
 
 import argparse
@@ -107,7 +108,7 @@ def step_time(args) -> None:
     _setup(8)
     from spmd.platform import distributed
 
-    distributed.initialize(diverging_collectives=True)  # zb_h1's stages diverge: gloo collectives
+    distributed.initialize(diverging_collectives=True)  # 1f1b's and zb_h1's stages diverge: gloo collectives
     import jax
 
     from spmd.assembly.setup import assemble

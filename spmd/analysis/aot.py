@@ -58,9 +58,9 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
     weight-gradient passes send nothing: they are counted as the runs of their named scope in the
     compiled step (`text`), and the bubble as the idle share of all three passes' ticks. With M =
     S the first weight pass has a tick of its own, in no loop, and XLA:CPU's step counts one short
-    there (3 of 4 at S = M = 4). ZB-H1, whose stages diverge, moves both ways every tick and runs
-    one pass of a stage in each: its ticks are either move's count, 3 M of each stage's slots
-    work."""
+    there (3 of 4 at S = M = 4). 1F1B and ZB-H1, whose stages diverge, move both ways every tick
+    and run one pass of a stage in each: their ticks are either move's count, 2 M (F and a whole
+    backward) or 3 M (F, B and W) of each stage's slots work."""
     schedule = plan.schedule
     if schedule is None:
         return None
@@ -73,8 +73,8 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
     work = schedule.repeats * schedule.microbatches
     bubble = 1 - work / per_pass if per_pass else None
     if schedule.ticks.diverge:
-        # One pass slot per stage and tick, both moves every tick: 3 M of the slots do work.
-        bubble = 1 - 3 * work / per_pass if per_pass else None
+        # One pass slot per stage and tick, both moves every tick: 2 M or 3 M of the slots work.
+        bubble = 1 - schedule.ticks.table.passes * work / per_pass if per_pass else None
     elif schedule.split:
         from spmd.analysis import hlo
 

@@ -57,7 +57,7 @@ SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 # Scheduled with each backward split into the input's and the weights' gradient (zero-bubble).
 SPLIT = ("zb_h1", "interleaved_zb")
 # Scheduled with stages that run different passes in the same tick (scheduled._diverged).
-DIVERGING = ("zb_h1",)
+DIVERGING = ("1f1b", "zb_h1")
 WITH_REPEATS = ("circular", "interleaved_1f1b", "interleaved_zb")
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
 
@@ -150,9 +150,10 @@ class Schedule:
         apart, each tick's weight gradient with its backward), 2 (S - 1) / (3 M R + 2 (S - 1)) for
         the split ones (their R M chunk-sized weight-gradient passes run in ticks that have work for
         every stage), (S - 1) / (3 M + S - 1) for ZB-H1, whose stages run one pass each per tick
-        (zero_bubble.py)."""
+        (diverging.py; 1F1B's one pass per tick, F or a whole backward, gives its (S - 1) / (M +
+        S - 1))."""
         S, M, R = self.stages, self.microbatches, self.repeats
-        if self.name in DIVERGING:
+        if self.name in DIVERGING and self.split:
             return (S - 1) / (3 * M + S - 1)
         if self.split:
             return 2 * (S - 1) / (3 * M * R + 2 * (S - 1))
@@ -161,7 +162,7 @@ class Schedule:
     @property
     def bubble_formula(self) -> str:
         """`bubble_fraction` in S, M and R."""
-        if self.name in DIVERGING:
+        if self.name in DIVERGING and self.split:
             return "(S-1)/(3M+S-1)"
         if self.split:
             return "2(S-1)/(3M*R+2(S-1))"

@@ -3,10 +3,10 @@
 GPipe and circular (spmd/parallel/pipeline.py) get their backward from autodiff of the forward
 loop, so the backward starts after the last microbatch's forward and each stage keeps what its
 remat policy saves for every microbatch. Here the loss is part of the schedule: the output head
-and the loss run on each microbatch as it leaves the last stage, and every tick each stage runs one
-forward and one backward of the microbatches in front of it (a per-stage `jax.vjp`, its residuals
+and the loss run on each microbatch as it leaves the last stage, and each stage runs the forwards
+and backwards of the microbatches in front of it tick by tick (a per-stage `jax.vjp`, its residuals
 kept in a ring of slots until that microbatch's backward comes round). A stage then holds at most
-2 R S - 1 microbatches' residuals (chunk-sized when R > 1) whatever M is; residuals computed from
+2 R S - 1 microbatches' residuals (chunk-sized when R > 1; S under 1F1B) whatever M is; residuals computed from
 the weights alone are recomputed in the backward instead (`weight_only`). Stage 0 embeds each
 microbatch as it enters and adds its embedding's gradient as its backward leaves, so nothing the
 size of the whole batch is held either.
@@ -21,8 +21,8 @@ g = m div S visits chunk r of stage s (the canonical virtual stage v = r S + s)
 
 so a microbatch leaving stage S-1 reaches stage 0 (its next chunk) in the next tick, its gradient
 leaving stage 0 reaches stage S-1 in the next, and no stage has two forwards or two backwards in a
-tick. With R = 1 this is 1F1B: forward of m at tick m + s, its loss at tick m + S - 1 on the last
-stage, its backward at tick m + 2S - 2 - s. Ticks: R M + R S + S - 2, in three phases: warm-up (R S
+tick. (With R = 1 this would be a lockstep 1F1B: forward of m at tick m + s, its backward at tick
+m + 2S - 2 - s; 1F1B diverges instead, below.) Ticks: R M + R S + S - 2, in three phases: warm-up (R S
 - 1 ticks, forwards only), steady (R (M - S) + S ticks, forward, loss and backward), cool-down (R S
 - 1 ticks, backwards only). Each stage does R M forwards and R M backwards of a chunk in R M + S - 1
 ticks of each pass: the bubble is (S - 1) / (R M + S - 1), GPipe's and circular's.
@@ -36,9 +36,9 @@ remat, its recomputed input) waits in a ring of S slots (stage s's W runs s tick
 slot is the microbatch's place j in its group); the forward residuals W also reads stay in
 theirs, which 2 R S - 1 slots cover (W runs at most 2 R S - 2 ticks after the forward).
 
-ZB-H1 (`Ticks.diverge`, R = 1) is not lockstep: its stages run different passes in the same tick
-(`_diverged`, in a `shard_map` manual over the stage axes, the passes above traced once on one
-stage), from zero_bubble.py's table.
+1F1B and ZB-H1 (`Ticks.diverge`, R = 1) are not lockstep: their stages run different passes in the
+same tick and nothing in the ticks they idle (`_diverged`, in a `shard_map` manual over the stage
+axes, the passes above traced once on one stage), from diverging.py's tables.
 
 The whole schedule is one `jax.custom_vjp` whose forward computes the loss and every gradient (the
 layers', the head's, and the stage-0 input's, which autodiff carries back into the embedding); its
@@ -62,7 +62,7 @@ from jax.extend import core as jax_core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from spmd.core.logical import mesh_replaced, rules_replaced
-from spmd.parallel import split_backward, zero_bubble
+from spmd.parallel import diverging, split_backward
 
 # The named scopes of the activations' and the gradients' moves between stages.
 FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
@@ -71,10 +71,12 @@ WEIGHT_SCOPE = "pipeline_weight"
 # The named scope of the head and loss on the microbatch leaving the last stage, run conditionally
 # when R > 1 (its share of the ticks is `Ticks.branch_shares`).
 TAIL_SCOPE = "pipeline_tail"
-# ZB-H1 with stages that diverge: the named scope of each branch of a tick's switch (the last is
-# the idle one, with nothing in it), prefixed by PASS_SCOPE.
+# Stages that diverge (1F1B, ZB-H1): the named scope of each branch a tick's switch may have (the
+# last is the idle one, with nothing in it), prefixed by PASS_SCOPE; a schedule's switch has those
+# its table uses (`Ticks.branch_names`).
 PASS_SCOPE = "pipeline_pass_"
-BRANCHES = ("forward_first", "forward", "forward_last", "input_grad_first", "input_grad", "weight", "idle")
+BRANCHES = ("forward_first", "forward", "forward_last", "input_grad_first", "input_grad", "weight",
+            "backward_first", "backward", "idle")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +90,8 @@ class Ticks:
     # gradient (B, at the backward's tick) and the weights' (W, deferred on every stage to the tick
     # stage 0 runs B of the same microbatch chunk).
     split: bool = False
-    # ZB-H1 with stages that diverge (R = 1, split): each tick each stage runs the one pass its row
-    # of zero_bubble.table names, in a conditional (`_diverged`).
+    # Stages that diverge (1F1B, ZB-H1: R = 1): each tick each stage runs the one pass its row of
+    # diverging.table names, in a conditional (`_diverged`).
     diverge: bool = False
 
     @property
@@ -100,24 +102,37 @@ class Ticks:
         return R * M + R * S + S - 2
 
     @property
-    def table(self) -> "zero_bubble.Table":
-        return zero_bubble.table(self.stages, self.microbatches)
+    def table(self) -> "diverging.Table":
+        return diverging.table(self.stages, self.microbatches, self.split)
 
-    def branches(self) -> np.ndarray:
+    def _branch_table(self) -> np.ndarray:
         """(S, T): the index in BRANCHES of the branch stage s runs at tick t (diverge)."""
         tab, S = self.table, self.stages
-        by_kind = {zero_bubble.FORWARD: "forward", zero_bubble.INPUT_GRAD: "input_grad",
-                   zero_bubble.WEIGHT_GRAD: "weight", zero_bubble.IDLE: "idle"}  # fmt: skip
+        by_kind = {diverging.FORWARD: "forward", diverging.INPUT_GRAD: "input_grad",
+                   diverging.WEIGHT_GRAD: "weight", diverging.BACKWARD: "backward",
+                   diverging.IDLE: "idle"}  # fmt: skip
         out = np.zeros(tab.kind.shape, np.int32)
         for s in range(S):
             for t, kind in enumerate(tab.kind[s]):
                 name = by_kind[int(kind)]
-                if name in ("forward", "input_grad") and s == 0:
+                if name in ("forward", "input_grad", "backward") and s == 0:
                     name += "_first"
                 elif name == "forward" and s == S - 1:
                     name += "_last"
                 out[s, t] = BRANCHES.index(name)
         return out
+
+    def branch_names(self) -> tuple[str, ...]:
+        """The branches of the tick's switch (diverge): those of BRANCHES the table uses, in its
+        order (idle last)."""
+        used = set(self._branch_table().ravel().tolist())
+        return tuple(name for i, name in enumerate(BRANCHES) if i in used)
+
+    def branches(self) -> np.ndarray:
+        """(S, T): the index in `branch_names` of the branch stage s runs at tick t (diverge)."""
+        names = self.branch_names()
+        index = np.asarray([names.index(n) if n in names else -1 for n in BRANCHES], np.int32)
+        return index[self._branch_table()]
 
     @property
     def warmup(self) -> int:
@@ -164,9 +179,11 @@ class Ticks:
         if self.diverge:
             # Every device runs the tick's conditional T times; a branch's share is its runs over
             # all stages' ticks (the count is then the mean over stages).
-            branches = self.branches()
-            counts = np.bincount(branches.ravel(), minlength=len(BRANCHES)) / branches.size
-            return {PASS_SCOPE + name: float(c) for name, c in zip(BRANCHES[:-1], counts, strict=False)}
+            branches, names = self.branches(), self.branch_names()
+            counts = np.bincount(branches.ravel(), minlength=len(names)) / branches.size
+            return {
+                PASS_SCOPE + name: float(c) for name, c in zip(names, counts, strict=True) if name != "idle"
+            }
         if self.repeats == 1:
             return {}
         return {TAIL_SCOPE: self.microbatches / (self.steady_end - self.warmup)}
@@ -610,11 +627,12 @@ def _diverged(
     ticks, stage_fwd, stored_fwd, one, derived, *, embed_rows_pure, head, tail, w, trained, inputs_M,
     side_M, rows_M, y_example, aux_loss, combine_stats, canonical, axes, res_spec, inner, mesh,
 ):  # fmt: skip
-    """ZB-H1 with stages that diverge (zero_bubble.py's table): a `shard_map` manual over the
-    stage axes, in which each tick every stage runs the pass its row of the table names, one
+    """1F1B or ZB-H1 with stages that diverge (diverging.py's tables): a `shard_map` manual over
+    the stage axes, in which each tick every stage runs the pass its row of the table names, one
     `lax.switch` on it, and then sends what its forward made to the next stage and what its
-    input-gradient pass made to the previous one (two collective-permutes every stage runs). The
-    passes are `_schedule`'s, traced once on one stage; the other mesh axes stay automatic inside.
+    backward (or input-gradient pass) made to the previous one (two collective-permutes every
+    stage runs). The passes are `_schedule`'s, traced once on one stage; the other mesh axes stay
+    automatic inside.
 
     On XLA:CPU this needs the gloo collectives (a `jax.distributed` client, one process is
     enough): its in-process ones rendezvous over every device, so collectives that different
@@ -626,6 +644,7 @@ def _diverged(
     K, Kw, Ki, Kc = tab.residual_slots, tab.saved_slots, tab.input_slots, tab.cotangent_slots
     region_rules = _region_rules(inner, axes)
     branch_of = ticks.branches()  # (S, T): the branch each stage runs at each tick
+    split = ticks.split
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
     spec_of = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
 
@@ -661,11 +680,13 @@ def _diverged(
                 g_x, g_w = one(*jax.tree.unflatten(args_def, flat))
                 return [g_x, *jax.tree.leaves(g_w)]
 
-            n_given = len(jax.tree.leaves(args[:4]))
-            cut = split_backward.split(
-                jax.make_jaxpr(flat_one)(*flat_args), 1, [i < n_given for i in range(len(flat_args))]
-            )
-            saved_s = jax.eval_shape(lambda *f: cut.first(*f)[1], *flat_args)
+            one_closed = jax.make_jaxpr(flat_one)(*flat_args)
+            if split:
+                n_given = len(jax.tree.leaves(args[:4]))
+                cut = split_backward.split(one_closed, 1, [i < n_given for i in range(len(flat_args))])
+                saved_s = jax.eval_shape(lambda *f: cut.first(*f)[1], *flat_args)
+            else:
+                saved_s = []
             stats_ct = None
             if stats_s is not None:  # this stage's share
                 acc = jax.tree.map(lambda a: jax.ShapeDtypeStruct((S, 1, *a.shape), a.dtype), stats_s)
@@ -706,15 +727,23 @@ def _diverged(
 
                 return branch
 
-            def input_grad_pass(place):
+            def input_grad_pass(place, whole=False):
+                """B, or with `whole` B and W in one pass (1F1B's backward)."""
+
                 def branch(c, m, w_c):
                     c = dict(c)
                     side_b = jax.tree.map(lambda a: get(a, m), side_M)
                     res = [get(r, m % K) for r in c["res"]]
                     recomputed = derived.fn(*jax.tree.leaves((w_c, side_b)))
                     g = get(c["cotangents"], m % Kc)
-                    (g_in,), saved = cut.first(*jax.tree.leaves((res, recomputed, w_c, side_b, g, stats_ct)))
-                    c["saved"] = [put(r, m % Kw, v) for r, v in zip(c["saved"], saved, strict=True)]
+                    flat = jax.tree.leaves((res, recomputed, w_c, side_b, g, stats_ct))
+                    if whole:
+                        g_in, *g_w = jax_core.jaxpr_as_fun(one_closed)(*flat)
+                        g_w = iter(g_w)
+                        c["g_w"] = [None if acc is None else acc + next(g_w) for acc in c["g_w"]]
+                    else:
+                        (g_in,), saved = cut.first(*flat)
+                        c["saved"] = [put(r, m % Kw, v) for r, v in zip(c["saved"], saved, strict=True)]
                     c["send_b"] = g_in.astype(c["send_b"].dtype)
                     if place == "first":
                         _, pull = jax.vjp(lambda consts: embed(consts, m), embed_consts)
@@ -744,9 +773,14 @@ def _diverged(
                 "forward_first": forward_pass("first"), "forward": forward_pass("middle"),
                 "forward_last": forward_pass("last"), "input_grad_first": input_grad_pass("first"),
                 "input_grad": input_grad_pass("middle"), "weight": weight_pass,
+                "backward_first": input_grad_pass("first", whole=True),
+                "backward": input_grad_pass("middle", whole=True),
+                "idle": lambda c, m, w_c: c,
             }  # fmt: skip
-            branches = [scoped(PASS_SCOPE + name, passes[name]) for name in BRANCHES[:-1]]
-            branches.append(lambda c, m, w_c: c)  # idle
+            branches = [
+                passes[name] if name == "idle" else scoped(PASS_SCOPE + name, passes[name])
+                for name in ticks.branch_names()
+            ]
 
             def act(shape):  # activations' rings and buffers: (..., b, T, D)
                 return constrain(
