@@ -20,9 +20,6 @@ from spmd.parallel.pipeline import layer_order
 
 DEEP = ["model.n_layers=8"]
 RULES = pathlib.Path(__file__).parent / "fixtures" / "rules"
-ONE_F_ONE_B = ["pipeline.schedule=1f1b"]
-INTERLEAVED = ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]
-ZB_H1 = ["pipeline.schedule=zb_h1"]
 INTERLEAVED_ZB = ["pipeline.schedule=interleaved_zb", "pipeline.repeats=2"]
 
 
@@ -47,30 +44,6 @@ LAYOUTS = [
     ),  # fmt: skip
     # Inside gradient accumulation: 2 accumulation microbatches, each piped as 2.
     ("pp_fsdp", "stage=2,fsdp=2", ["pipeline.microbatches=2", "train.microbatches=2"]),
-]
-
-
-# The scheduled backward (ZB-H1, interleaved, 1F1B): with FSDP and tensor parallelism, data parallelism,
-# ring attention, ZeRO-1 under gradient accumulation; each remat policy.
-LAYOUTS += [
-    # Interleaved zero-bubble: the backward cut into input and weight gradients through FSDP and
-    # tensor-parallel matmuls and remat regions, on two chunks per stage (stored permuted).
-    (
-        "pp_fsdp_tp",
-        "stage=2,fsdp=2,tensor=2",
-        [*INTERLEAVED_ZB, "pipeline.microbatches=4", "model.remat=full"],
-    ),
-    ("pp", "stage=4,data=2", [*INTERLEAVED, "pipeline.microbatches=4", "model.remat=save_dots"]),
-    (
-        str(RULES / "pp_cp_ring.toml"),
-        "stage=2,context=2",
-        [*INTERLEAVED, "pipeline.microbatches=2", "model.remat=full"],
-    ),  # fmt: skip
-    (
-        str(RULES / "pp_zero1.toml"),
-        "stage=2,data=2",
-        [*INTERLEAVED, "pipeline.microbatches=2", "train.microbatches=2"],
-    ),  # fmt: skip
 ]
 
 
@@ -123,69 +96,80 @@ def test_moe_pipeline_trains_like_gradient_accumulation_on_one_device(
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_lora_under_a_scheduled_backward_trains_like_lora_on_one_device(devices):
-    """Only the adapters train; the schedule's gradients of the frozen base are not taken:
-    interleaved zero-bubble's weight pass computes the adapters' gradients alone."""
-    lora = ["lora.rank=4", "lora.alpha=8", "optimizer.learning_rate=1e-2", "model.n_layers=4"]
-    ref_losses, ref_params, _ = run_training(load_config("tiny", lora), "", "fsdp", 3, devices[:1])
-    cfg = load_config("tiny", [*lora, *INTERLEAVED_ZB, "pipeline.microbatches=2"])
-    losses, params, trainer = run_training(cfg, "stage=2", "pp", 3, devices[:2])
-    assert trainer.plan.schedule.name == "interleaved_zb"
-    params = trainer.plan.to_canonical(params)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+TABLES = [(2, 2, 1), (2, 5, 1), (3, 3, 1), (4, 4, 1), (4, 8, 1), (4, 32, 1), (8, 16, 1), (16, 64, 1),
+          (2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (3, 6, 3), (8, 16, 2)]  # fmt: skip
 
 
-@pytest.mark.parametrize("S,M", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (4, 32), (8, 16), (16, 64)])
-@pytest.mark.parametrize("split", [True, False], ids=["zb_h1", "1f1b"])
-def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_says(S, M, split):
-    """diverging.table: ZB-H1 (split) in 3 M + S - 1 ticks, each stage running F, B and W of every
-    microbatch once, idle S - 1 ticks; 1F1B in 2 (M + S - 1) ticks, F and a whole backward (BW)
-    each, idle 2 (S - 1). In microbatch order, B after its F and after the next stage's B, W after
-    B, F after the previous stage's F (each in an earlier tick); the rings' lengths cover what
-    waits; and what arrives is what the neighbour's pass sent."""
+@pytest.mark.parametrize("S,M,R", TABLES, ids=[f"S{s}-M{m}-R{r}" for s, m, r in TABLES])
+@pytest.mark.parametrize("split", [True, False], ids=["zero_bubble", "1f1b"])
+def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_says(S, M, R, split):
+    """diverging.table: zero-bubble (split) in 3 R M + S - 1 ticks, each stage running F, B and W
+    of every microbatch chunk once, idle S - 1 ticks; 1F1B in 2 (R M + S - 1) ticks, F and a whole
+    backward (BW) each, idle 2 (S - 1). Each pass in its stage's order, B after its F and after the
+    next virtual stage's B, W after B, F after the previous virtual stage's F (each in an earlier
+    tick); what arrives is what the neighbour's pass sent; no ring slot holds two values at once."""
     from spmd.parallel import diverging as dv
 
-    t = dv.table(S, M, split)
+    t = dv.table(S, M, split, R)
     F, B, W = dv.FORWARD, dv.INPUT_GRAD, dv.WEIGHT_GRAD
     if split:
-        assert t.ticks == 3 * M + S - 1 and t.idle() == S - 1 and t.passes == 3
+        assert t.ticks == 3 * R * M + S - 1 and t.idle() == S - 1 and t.passes == 3
     else:
-        assert t.ticks == 2 * (M + S - 1) and t.idle() == 2 * (S - 1) and t.passes == 2
+        assert t.ticks == 2 * (R * M + S - 1) and t.idle() == 2 * (S - 1) and t.passes == 2
+    fo, bo = dv.forward_order(S, M, R), dv.backward_order(S, M, R)
+    assert sorted(fo) == sorted(bo) == [(m, r) for m in range(M) for r in range(R)]
     when = {}
     for s in range(S):
         for tick in range(t.ticks):
             kind = int(t.kind[s, tick])
             if kind != dv.IDLE:
+                m, r = int(t.microbatch[s, tick]), int(t.chunk[s, tick])
+                assert (t.forward_index[s, tick], t.backward_index[s, tick]) == (
+                    fo.index((m, r)),
+                    bo.index((m, r)),
+                )
                 for k in (B, W) if kind == dv.BACKWARD else (kind,):
-                    key = (k, s, int(t.microbatch[s, tick]))
-                    assert key not in when
-                    when[key] = tick
-    assert len(when) == 3 * S * M
+                    assert (k, s, m, r) not in when
+                    when[k, s, m, r] = tick
+    assert len(when) == 3 * S * M * R
     for s in range(S):
+        for k, order in ((F, fo), (B, bo), (W, bo)):
+            assert [when[k, s, m, r] for m, r in order] == sorted(when[k, s, m, r] for m, r in order)
         for m in range(M):
-            assert when[F, s, m] < when[B, s, m] <= when[W, s, m]
-            assert (when[B, s, m] < when[W, s, m]) == split
-            if m:
-                assert all(when[k, s, m - 1] < when[k, s, m] for k in (F, B, W))
-            if s:
-                assert when[F, s - 1, m] < when[F, s, m] and t.arrives_forward[s, when[F, s - 1, m]] == m
-            if s < S - 1:
-                assert when[B, s + 1, m] < when[B, s, m] and t.arrives_backward[s, when[B, s + 1, m]] == m
+            for r in range(R):
+                assert when[F, s, m, r] < when[B, s, m, r] <= when[W, s, m, r]
+                assert (when[B, s, m, r] < when[W, s, m, r]) == split
+                if (r, s) != (0, 0):  # the previous virtual stage's F sent this one's input
+                    p, pr = (s - 1) % S, r - (s == 0)
+                    assert when[F, p, m, pr] < when[F, s, m, r]
+                    assert t.arrives_forward[s, when[F, p, m, pr]] == fo.index((m, r))
+                if (r, s) != (R - 1, S - 1):  # the next virtual stage's B sent this one's cotangent
+                    n, nr = (s + 1) % S, r + (s == S - 1)
+                    assert when[B, n, m, nr] < when[B, s, m, r]
+                    assert t.arrives_backward[s, when[B, n, m, nr]] == bo.index((m, r))
 
-    def held(s, a, b):  # the most microbatches between passes a and b at once (both ticks counted)
-        return max(sum(when[a, s, m] <= x <= when[b, s, m] for m in range(M)) for x in range(t.ticks))
+    def collision_free(slots, key, a, b):  # values held from tick a to tick b (both counted)
+        for s in range(S):
+            held = [
+                (key(m, r) % slots, when[a, s, m, r], when[b, s, m, r]) for m in range(M) for r in range(R)
+            ]
+            for i, (k1, a1, b1) in enumerate(held):
+                assert not any(k1 == k2 and a1 <= b2 and a2 <= b1 for k2, a2, b2 in held[i + 1 :])
+        return True
 
+    assert collision_free(t.residual_slots, lambda m, r: fo.index((m, r)), F, W)
     if split:
-        assert t.residual_slots == max(held(s, F, W) for s in range(S)) <= S + 3
-        assert t.saved_slots == max(held(s, B, W) for s in range(S)) <= S
-    else:  # 1F1B's: S in flight on stage 0, whatever M
-        assert t.residual_slots == max(held(s, F, W) for s in range(S)) == min(S, M) and t.saved_slots == 0
+        assert collision_free(t.saved_slots, lambda m, r: bo.index((m, r)), B, W)
+        assert t.saved_slots <= R * S
+    else:
+        assert t.saved_slots == 0
+    if R == 1:  # 1F1B's: S in flight on stage 0, whatever M; ZB-H1's at most S + 3
+        assert t.residual_slots == (min(S, M) if not split else t.residual_slots) <= S + 3
+    assert t.residual_slots <= 2 * R * S
 
 
-# 1F1B and ZB-H1, whose stages run different passes (and so different collectives) in the same
-# tick: each layout in a fresh process with JAX's runtime started (gloo collectives, as spmd-train starts them
+# The scheduled pipelines, whose stages run different passes (and so different collectives) in the
+# same tick: each layout in a fresh process with JAX's runtime started (gloo collectives, as spmd-train starts them
 # on CPU), against one device in the same process. (model, rules, mesh, overrides, reference
 # overrides or None for the same model settings, steps)
 DIVERGED = {
@@ -237,26 +221,38 @@ losses, params, trainer = train(load_config(model, [f"pipeline.schedule={schedul
 failing = [jax.tree_util.keystr(path) for (path, a), b in
            zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params))
            if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)]
-print(json.dumps({"schedule": trainer.plan.schedule.name, "diverge": trainer.plan.schedule.ticks.diverge,
+print(json.dumps({"schedule": trainer.plan.schedule.name, "diverge": trainer.plan.schedule.scheduled,
                   "stages": trainer.plan.schedule.stages, "losses": losses, "reference": ref,
                   "failing": failing, "gloo": jax.config.jax_cpu_collectives_implementation}))
 """
 
 
 # 1F1B's whole backward where ZB-H1 splits it: through FSDP x tensor, ring attention, the MoE's
-# all-to-all, ZeRO-1 under accumulation and LoRA.
-DIVERGED_CASES = [("zb_h1", case) for case in DIVERGED] + [
-    ("1f1b", case) for case in ("fsdp-tp", "ring", "moe-expert", "zero1", "lora")
-]
+# all-to-all, ZeRO-1 under accumulation and LoRA; interleaved (two chunks per stage, stored
+# permuted): each remat policy, four stages, ring attention, ZeRO-1, LoRA's weight pass computing the
+# adapters' gradients alone. (schedule, case, overrides added to the case's)
+REPEATS = ["pipeline.repeats=2"]
+DIVERGED_CASES = [("zb_h1", case, []) for case in DIVERGED] + [
+    ("1f1b", case, []) for case in ("fsdp-tp", "ring", "moe-expert", "zero1", "lora")
+] + [
+    ("interleaved_zb", "fsdp-tp", [*REPEATS, "model.remat=full"]),
+    ("interleaved_1f1b", "four-stages", [*REPEATS, "model.remat=save_dots"]),
+    ("interleaved_1f1b", "ring", REPEATS),
+    ("interleaved_1f1b", "zero1", REPEATS),
+    ("interleaved_zb", "lora", [*REPEATS, "model.n_layers=4"]),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("schedule,case", DIVERGED_CASES, ids=[f"{s}-{c}" for s, c in DIVERGED_CASES])
-def test_stages_that_diverge_train_like_one_device(schedule, case):
+@pytest.mark.parametrize(
+    "schedule,case,extra", DIVERGED_CASES, ids=[f"{s}-{c}" for s, c, _ in DIVERGED_CASES]
+)
+def test_stages_that_diverge_train_like_one_device(schedule, case, extra):
     import os
     import subprocess
     import sys
 
     model, rules, mesh, overrides, reference, steps = DIVERGED[case]
+    overrides = [*overrides, *extra]
     reference = (
         reference if reference is not None else [o for o in overrides if not o.startswith("pipeline.")]
     )
@@ -494,47 +490,43 @@ def test_zb_h1_idles_a_third_of_what_1f1b_idles_and_neither_computes_an_idle_slo
         assert 0 < pp["other_stage_bytes"] == one["pipeline"]["other_stage_bytes"]
 
 
-def test_interleaved_zb_idles_a_third_of_what_1f1b_idles(scheduled_dry_runs):
-    """Two chunks per stage halve the forward and input-gradient passes' idle ticks (each a chunk),
-    and the weight passes run where every stage has one: counted in the compiled step, each stage
-    idles (S - 1) pass-lengths per step against 1F1B's 3 (S - 1): ZB-H1's bubble, with every stage
-    running the same passes in each tick (no collectives that differ between stages). W's operands
-    wait chunk-sized, so it holds less than ZB-H1; and of the work GPipe's lockstep bubble computes,
-    the weight passes' share is not compiled."""
+def test_interleaved_zb_idles_a_sixth_of_what_1f1b_idles_and_computes_no_idle_slot(scheduled_dry_runs):
+    """Two chunks per stage, one chunk's pass (F, B or W) per stage and tick: 3 R M + S - 1 ticks
+    (counted in the compiled step), S - 1 of them idle, each a chunk's pass: idle time a third of
+    1F1B's over R (its whole backward two passes), and the unpipelined step's FLOPs. W's operands
+    wait chunk-sized, so it holds less than ZB-H1."""
     S, R = 4, 2
     temp = {k: r["per_device_bytes"]["temporaries"] for k, r in scheduled_dry_runs.items()}
+    idle = lambda b: b / (1 - b)  # noqa: E731 (idle slots over useful ones)
     for m in (8, 16):
         zb, one = scheduled_dry_runs["interleaved_zb", m], scheduled_dry_runs["1f1b", m]
         pp = zb["pipeline"]
-        analytic = 2 * (S - 1) / (3 * R * m + 2 * (S - 1))
-        assert pp["ticks_counted"] == {"forward": R * m + S - 1, "backward": R * m + S - 1, "weight": R * m}
+        analytic = (S - 1) / (3 * R * m + S - 1)
+        assert pp["ticks_counted"] == {"forward": 3 * R * m + S - 1, "backward": 3 * R * m + S - 1}
         assert pp["bubble_fraction"] == analytic and pp["bubble_counted"] == pytest.approx(analytic)
-        assert pp["in_flight"] == 2 * R * S - 1
-        # Idle over useful work (the same 3 M pass-lengths for both).
-        idle = lambda b: b / (1 - b)  # noqa: E731
-        assert idle(pp["bubble_counted"]) <= idle(one["pipeline"]["bubble_counted"]) / 3 * (1 + 1e-9)
-        assert pp["bubble_counted"] == pytest.approx(
-            scheduled_dry_runs["zb_h1", m]["pipeline"]["bubble_counted"]
-        )
-        # GPipe's layers cost (M + S - 1) (F + B + W); these (M + (S - 1) / 2) (F + B) + M W.
-        gpipe = scheduled_dry_runs["gpipe", m]
-        saved = 1 - zb["compiled_matmul_flops_per_device"] / gpipe["compiled_matmul_flops_per_device"]
-        expected = 2 * (S - 1) / (3 * (m + S - 1))
-        assert 0.5 * expected < saved <= expected
+        assert pp["in_flight"] <= 2 * R * S - 1
+        assert idle(pp["bubble_counted"]) == pytest.approx(idle(one["pipeline"]["bubble_counted"]) / (3 * R))
+        unpiped = scheduled_dry_runs["none", m]["compiled_matmul_flops_per_device"] / 4
+        assert zb["compiled_matmul_flops_per_device"] == pytest.approx(unpiped, rel=1e-3)
         assert temp["interleaved_zb", m] < temp["zb_h1", m]
 
 
-def test_interleaved_1f1b_runs_the_work_circular_runs(devices):
-    """Circular's passes, and the head and loss on each microbatch once: with R > 1 they run in a
-    conditional on the ticks where a microbatch leaves its last chunk, which the count weighs by
-    that share of the ticks (counting its idle branch alone would leave the head out)."""
-    flops = {}
+def test_interleaved_1f1b_computes_the_unpipelined_work_where_circular_computes_its_bubble(devices):
+    """Interleaved 1F1B's idle ticks run the empty branch: the unpipelined step's FLOPs (the
+    branches counted at their shares of the table's ticks), within 1 + its bubble; circular, the
+    same chunks in one lockstep program, computes its idle slots."""
+    flops, bubble = {}, {}
+    common = [*DEEP, "train.seq_len=32", "train.global_batch_size=32"]
     for name in ("circular", "interleaved_1f1b"):
         setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
-            *DEEP, "train.seq_len=32", "train.global_batch_size=32", f"pipeline.schedule={name}",
-            "pipeline.repeats=2", "pipeline.microbatches=4"])  # fmt: skip
-        flops[name] = dry_run(setup)["compiled_matmul_flops_per_device"]
-    assert flops["interleaved_1f1b"] == pytest.approx(flops["circular"], rel=1e-6)
+            *common, f"pipeline.schedule={name}", "pipeline.repeats=2", "pipeline.microbatches=4"])  # fmt: skip
+        r = dry_run(setup)
+        flops[name], bubble[name] = r["compiled_matmul_flops_per_device"], r["pipeline"]["bubble_counted"]
+    unpiped = dry_run(assemble("tiny", "data=8", "fsdp", devices=devices, overrides=common))
+    unpiped = unpiped["compiled_matmul_flops_per_device"]
+    assert bubble["interleaved_1f1b"] == pytest.approx(bubble["circular"]) == pytest.approx(3 / 11)
+    assert flops["interleaved_1f1b"] == pytest.approx(unpiped, rel=1e-3)
+    assert flops["circular"] > unpiped * (1 + bubble["circular"])
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd.parallel.split_backward import moved_axis, split
+from spmd.parallel.split_backward import split
 
 L, B, D, F = 3, 4, 8, 16  # layers, rows, width, hidden
 
@@ -101,8 +101,3 @@ def test_each_backward_matmul_runs_once_and_the_weight_pass_reads_per_layer_cota
         assert shapes == sorted([*cotangents, (L, B, D), (L, B, F), (L, D)])
     else:
         assert shapes == sorted([*cotangents, (L, B, D)])
-
-
-def test_moved_axis_finds_the_axis_that_changed_length():
-    assert moved_axis((3, 2, 5), (3, 7, 5), 2, 7) == 1
-    assert moved_axis((2, 2), (7, 2), 2, 7) == 0

@@ -21,7 +21,7 @@ unpipelined step's, beside 1 + its counted bubble.
 
 `time`: CPU step time of each schedule beside GPipe at the same M, in alternating rounds (A B A B),
 the median ratio quoted; in one process with JAX's runtime started, whose gloo collectives the
-diverging stages of 1F1B and ZB-H1 need (all schedules then run on them).
+scheduled pipelines' diverging stages need (all schedules then run on them).
 """
 
 import argparse
@@ -108,7 +108,7 @@ def step_time(args) -> None:
     _setup(8)
     from spmd.platform import distributed
 
-    distributed.initialize(diverging_collectives=True)  # 1f1b's and zb_h1's stages diverge: gloo collectives
+    distributed.initialize(diverging_collectives=True)  # the scheduled stages diverge: gloo collectives
     import jax
 
     from spmd.assembly.setup import assemble

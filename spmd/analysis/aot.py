@@ -44,23 +44,19 @@ def analytic_minimum(cfg, plan) -> dict[str, float]:
     return strategy.analytic_minimum(cfg, plan)
 
 
-def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
-    """The schedule, its bubble fraction ((S-1)/(M R + S-1)) analytic and counted, the microbatch
-    chunks a stage holds at once, and what the compiled step sends between stages
-    (collective-permutes over the stage axes), or None without a pipeline.
+def pipeline_report(plan, rows, items) -> dict | None:
+    """The schedule, its bubble fraction analytic and counted, the microbatch chunks a stage holds
+    at once, and what the compiled step sends between stages (collective-permutes over the stage
+    axes), or None without a pipeline.
 
-    Counted: every tick of the forward pass moves one microbatch chunk to the next stage by one
-    collective-permute of the stage axes (the schedule's rotation, `ppermute`), and every tick of
-    the backward pass its gradient back; their executions in the compiled step, loop trip counts
-    multiplied in, are the ticks each pass took, of which R M did work. The pass's last move,
-    which nothing reads, may be left out by the compiler where that tick is not in a loop: each
-    pass is counted as the longer of the two. The split schedules' (zb_h1, interleaved_zb) deferred
-    weight-gradient passes send nothing: they are counted as the runs of their named scope in the
-    compiled step (`text`), and the bubble as the idle share of all three passes' ticks. With M =
-    S the first weight pass has a tick of its own, in no loop, and XLA:CPU's step counts one short
-    there (3 of 4 at S = M = 4). 1F1B and ZB-H1, whose stages diverge, move both ways every tick
-    and run one pass of a stage in each: their ticks are either move's count, 2 M (F and a whole
-    backward) or 3 M (F, B and W) of each stage's slots work."""
+    Counted: GPipe's and circular's forward loop moves one microbatch chunk to the next stage
+    every tick by one collective-permute of the stage axes (the schedule's rotation, `ppermute`),
+    and autodiff's backward its gradient back; their executions in the compiled step, loop trip
+    counts multiplied in, are the ticks each pass took, of which R M did work. The pass's last
+    move, which nothing reads, may be left out by the compiler where that tick is not in a loop:
+    each pass is counted as the longer of the two. The scheduled pipelines, whose stages diverge,
+    move both ways every tick and run one pass of a stage in each: their ticks are either move's
+    count, 2 R M (F and a whole backward) or 3 R M (F, B and W) of each stage's slots work."""
     schedule = plan.schedule
     if schedule is None:
         return None
@@ -71,15 +67,9 @@ def pipeline_report(plan, rows, items, text: str = "") -> dict | None:
             ticks["backward" if backward else "forward"] += c.count
     per_pass = max(ticks.values())
     work = schedule.repeats * schedule.microbatches
+    if schedule.scheduled:  # one pass slot per stage and tick, both moves every tick
+        work *= schedule.ticks.table.passes
     bubble = 1 - work / per_pass if per_pass else None
-    if schedule.ticks.diverge:
-        # One pass slot per stage and tick, both moves every tick: 2 M or 3 M of the slots work.
-        bubble = 1 - schedule.ticks.table.passes * work / per_pass if per_pass else None
-    elif schedule.split:
-        from spmd.analysis import hlo
-
-        ticks["weight"] = hlo.scope_runs(text, scheduled.WEIGHT_SCOPE)
-        bubble = 1 - 3 * work / (2 * per_pass + ticks["weight"]) if per_pass else None
     permute = sum(
         r["volume_bytes"]
         for r in rows
@@ -389,7 +379,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         # Attention is the model's only Pallas kernel: its launches per step, and per layer.
         "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
         "kernel_calls_per_layer": calls / figures.n_layers,
-        "pipeline": pipeline_report(plan, rows, items, text),
+        "pipeline": pipeline_report(plan, rows, items),
         "between_slices": between_slices(setup, text, slices),
         "collectives": rows,
         "collective_volume_bytes": sum(r["volume_bytes"] for r in rows),

@@ -345,8 +345,9 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
                f"M = {best}: bubble {one.bubble_fraction:.1%} ({gpipe})")]  # fmt: skip
     zb = dataclasses.replace(one, kind="interleaved_zb" if R > 1 else "zb_h1")
     if R > 1:
-        why = (f"interleaved_zb runs the weight gradients in ticks where every stage has work and holds at most "
-               f"{zb.in_flight} microbatch chunks per stage whatever M")  # fmt: skip
+        why = (f"interleaved_zb runs one pass of a chunk per stage and tick (forward, input or weight gradient), "
+               f"idling a third of what interleaved_1f1b does, and holds at most {zb.in_flight} microbatch chunks "
+               f"per stage whatever M")  # fmt: skip
     else:
         why = (f"zb_h1 runs one pass per stage and tick (forward, input or weight gradient), idling a third of "
                f"what 1f1b does, and holds at most {zb.in_flight} microbatches per stage whatever M")  # fmt: skip
@@ -354,14 +355,13 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
                    f"{why}, so M = {best}: bubble {zb.bubble_fraction:.1%} ({one.name}'s "
                    f"{one.bubble_fraction:.1%}; {gpipe})"))  # fmt: skip
     if R == 1 and best % S == 0 and setup.plan.layer_groups % (2 * S) == 0:
-        # Two chunks per stage: zb_h1's bubble with every stage on the same pass in each tick.
+        # Two chunks per stage: half zb_h1's idle time, W's inputs half-size.
         izb = dataclasses.replace(zb, kind="interleaved_zb", repeats=2)
         offers.append((["pipeline.schedule=interleaved_zb", "pipeline.repeats=2", f"pipeline.microbatches={best}"],
-                       f"interleaved_zb with 2 layer groups per stage idles as zb_h1 does with every stage on the "
-                       f"same pass each tick, holding W's inputs half-size, at most {izb.in_flight} microbatch "
-                       f"chunks per stage whatever M, so M = {best}: bubble {izb.bubble_fraction:.1%} (zb_h1's "
-                       f"{zb.bubble_fraction:.1%}, 1f1b's {one.bubble_fraction:.1%}), at twice the moves between "
-                       f"stages"))  # fmt: skip
+                       f"interleaved_zb with 2 layer groups per stage idles half what zb_h1 does, holding W's "
+                       f"inputs half-size, at most {izb.in_flight} microbatch chunks per stage whatever M, so "
+                       f"M = {best}: bubble {izb.bubble_fraction:.1%} (zb_h1's {zb.bubble_fraction:.1%}, 1f1b's "
+                       f"{one.bubble_fraction:.1%}), at twice the moves between stages"))  # fmt: skip
     return offers
 
 

@@ -127,12 +127,12 @@ def run(args, may_relaunch: bool = False) -> int:
 
         print(keys_table(load_config(args.config or "small", overrides)))
         return 0
-    from spmd.parallel.pipeline import DIVERGING
+    from spmd.parallel.pipeline import SCHEDULED
 
     cfg = before_jax_starts(args.config or "small", overrides, may_relaunch=may_relaunch)
-    # ZB-H1's stages run different passes, and so different collectives, at once.
+    # A scheduled pipeline's stages run different passes, and so different collectives, at once.
     distributed.initialize_from_flags(
-        args, diverging_collectives=cfg is not None and cfg.pipeline.schedule in DIVERGING
+        args, diverging_collectives=cfg is not None and cfg.pipeline.schedule in SCHEDULED
     )
     import jax
 

@@ -1,31 +1,39 @@
-"""The tick tables of the schedules whose stages diverge (1F1B, ZB-H1): which pass each stage runs
-in each tick, nothing computed in the ticks a stage idles.
+"""The tick tables of the scheduled pipelines, whose stages diverge: which pass each stage runs in
+each tick, nothing computed in the ticks a stage idles.
 
-1F1B: each tick each stage runs F (a microbatch's forward) or BW (its whole backward, the input's
-and the weights' gradient in one pass). A list scheduler, stage by stage each tick: BW when the
-microbatch's cotangent has arrived (the next stage ran its BW, or this is the last stage and its
-forward ran); else F if its input has arrived and fewer than `cap` microbatches are between their F
-and their BW here; else nothing. With passes alike a step takes 2 (M + S - 1) ticks and each stage
-idles 2 (S - 1) of them: the bubble (S - 1) / (M + S - 1).
+Each stage holds R chunks (layer groups); chunk r of stage s is the virtual stage v = r S + s, so a
+microbatch's forward runs v = 0, 1, ..., R S - 1 (stage S - 1's chunk r hands it to stage 0's chunk
+r + 1) and its backward the other way. Every stage runs its forwards in one order — microbatches
+in groups of S, each group through chunk 0, then chunk 1, ...: the k-th is microbatch g S + j of
+chunk r for k = g S R + r S + j — and its backwards in the same order with the chunks reversed
+(`forward_order`, `backward_order`; with R = 1 both are the microbatches in order).
 
-ZB-H1: in the published ZB-H1 each stage runs, each tick, one of three passes of one microbatch: F (the
-forward), B (the input's gradient, which the previous stage waits for) or W (the weights' gradient,
-which nobody waits for), and W fills what would be idle. With the three alike, a step takes 3 M +
-S - 1 ticks and each stage idles S - 1 of them, a third of 1F1B's 3 (S - 1).
+1F1B and interleaved 1F1B (whole backwards): each tick each stage runs F (a chunk's forward) or BW
+(its whole backward, the input's and the weights' gradient in one pass), in a fixed sequence per
+stage — (S - s - 1) 2 + (R - 1) S forwards first (S - s - 1 with R = 1), then a forward and a
+backward in turn, then the backwards left — each as soon as what it waits for has arrived. With
+passes alike a step takes 2 (R M + S - 1) ticks and each stage idles 2 (S - 1) of them: the bubble
+(S - 1) / (R M + S - 1).
 
-Its table comes from a list scheduler over those unit passes, stage by stage each tick: B when the
-microbatch's cotangent has arrived (its forward ran here and the next stage ran its B, or this is
-the last stage); else W if `wlimit` weight passes wait; else F if its input has arrived and fewer
-than `cap` microbatches are between their F and their W here; else the oldest waiting W; else
-nothing. The smallest `cap` and `wlimit` that reach 3 M + S - 1 ticks are kept (they bound what a
-stage holds). F, B and W each run in microbatch order on every stage, so what waits between two
-passes is a run of consecutive microbatches and a ring indexed by the microbatch mod its length
-never overwrites a value still waiting.
+ZB-H1 and interleaved zero-bubble (split backwards): in the published ZB-H1 each stage runs, each
+tick, one of three passes of one microbatch chunk: F, B (the input's gradient, which the previous
+virtual stage waits for) or W (the weights' gradient, which nobody waits for), and W fills what
+would be idle. Their table comes from a list scheduler over those unit passes, stage by stage each
+tick: B when its cotangent has arrived (its forward ran here and the next virtual stage ran its B,
+or this is the last one); else W if `wlimit` weight passes wait; else F if its input has arrived
+and fewer than `cap` chunks are between their F and their W here; else the oldest waiting W; else
+nothing. The smallest `cap` and `wlimit` that reach 3 R M + S - 1 ticks are kept (they bound what a
+stage holds): each stage idles S - 1 ticks, a third of 1F1B's 3 (S - 1) pass-lengths.
 
-Sends: what a stage's F makes reaches the next stage, and what its B makes the previous one, in
-the following tick (`arrives_forward`, `arrives_backward`).
+Rings: what waits between two passes (a forward's residuals until its backward, B's operands for
+W, arrived activations and cotangents) sits in a ring of slots keyed by the chunk's place in the
+stage's forward or backward order; a ring's length is the smallest at which nothing held at once
+shares a slot.
 
-Legend: S stages, M microbatches, T ticks.
+Sends: what a stage's F makes reaches the next virtual stage, and what its B makes the previous
+one, in the following tick (`arrives_forward`, `arrives_backward`).
+
+Legend: S stages, R chunks per stage, M microbatches, T ticks.
 """
 
 import dataclasses
@@ -39,17 +47,22 @@ FORWARD, INPUT_GRAD, WEIGHT_GRAD, IDLE, BACKWARD = 0, 1, 2, 3, 4
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """kind[s, t], microbatch[s, t]: stage s's pass at tick t and its microbatch (0 when idle)."""
+    """kind[s, t], microbatch[s, t], chunk[s, t]: stage s's pass at tick t, its microbatch and
+    chunk (0 when idle); forward_index / backward_index: that chunk's place in the stage's forward
+    and backward order (the rings' keys)."""
 
     kind: np.ndarray  # (S, T) int32
     microbatch: np.ndarray  # (S, T) int32
-    arrives_forward: np.ndarray  # (S, T): the microbatch whose activations arrive after tick t, or -1
-    arrives_backward: np.ndarray  # (S, T): the microbatch whose cotangent arrives after tick t, or -1
-    # Ring lengths: the most microbatches any stage holds at once between two of its passes.
-    residual_slots: int  # the forward's residuals, from F to W
+    chunk: np.ndarray  # (S, T) int32
+    forward_index: np.ndarray  # (S, T) int32
+    backward_index: np.ndarray  # (S, T) int32
+    arrives_forward: np.ndarray  # (S, T): the forward index of the activations arriving after tick t, or -1
+    arrives_backward: np.ndarray  # (S, T): the backward index of the cotangent arriving after tick t, or -1
+    # Ring lengths (module doc).
+    residual_slots: int  # the forward's residuals, from F to W (or BW)
     saved_slots: int  # what W reads from B, from B to W (0 when the backward is whole)
-    input_slots: int  # activations arrived from the previous stage, until F reads them
-    cotangent_slots: int  # cotangents arrived (or, on the last stage, from the loss), until B
+    input_slots: int  # activations arrived from the previous virtual stage, until F reads them
+    cotangent_slots: int  # cotangents arrived (or, on the last virtual stage, from the loss), until B
 
     @property
     def ticks(self) -> int:
@@ -57,7 +70,7 @@ class Table:
 
     @property
     def passes(self) -> int:
-        """Pass slots one microbatch takes on a stage: F and BW, or F, B and W."""
+        """Pass slots one microbatch chunk takes on a stage: F and BW, or F, B and W."""
         return 2 if (self.kind == BACKWARD).any() else 3
 
     def idle(self) -> int:
@@ -65,96 +78,191 @@ class Table:
         return int((self.kind == IDLE).sum(axis=1).max())
 
 
-def _simulate(S: int, M: int, cap: int, wlimit: int, split: bool):
-    """(F, B, W tick of each stage and microbatch) of the list scheduler, or None if it stalls;
-    with `split` False B and W are one pass (their ticks equal)."""
-    done = {k: np.full((S, M), -1, np.int64) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
-    n = {k: [0] * S for k in done}
-    t = 0
-    while min(n[WEIGHT_GRAD]) < M:
+def forward_order(S: int, M: int, R: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of each stage's k-th forward."""
+    out = []
+    for k in range(R * M):
+        g, within = divmod(k, S * R)
+        r, j = divmod(within, S)
+        out.append((g * S + j, r))
+    return out
+
+
+def backward_order(S: int, M: int, R: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of each stage's k-th backward (and weight pass)."""
+    return [(m, R - 1 - r) for m, r in forward_order(S, M, R)]
+
+
+class _Run:
+    """The passes run so far: done[kind][s, m, r] is the tick, or -1."""
+
+    def __init__(self, S, M, R):
+        self.S, self.R = S, R
+        self.done = {k: np.full((S, M, R), -1, np.int64) for k in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
+
+    def before(self, kind, s, m, r, t):
+        return 0 <= self.done[kind][s, m, r] < t
+
+    def input_ready(self, s, m, r, t):
+        """F of (m, r) on stage s can run at tick t: the previous virtual stage's F ran."""
+        if r == 0 and s == 0:
+            return True
+        return self.before(FORWARD, (s - 1) % self.S, m, r - (s == 0), t)
+
+    def cotangent_ready(self, s, m, r, t):
+        """B (or BW) of (m, r) on stage s can run at tick t."""
+        if not self.before(FORWARD, s, m, r, t):
+            return False
+        if r == self.R - 1 and s == self.S - 1:
+            return True
+        return self.before(INPUT_GRAD, (s + 1) % self.S, m, r + (s == self.S - 1), t)
+
+
+def _whole(S: int, M: int, R: int):
+    """1F1B's (R = 1) and interleaved 1F1B's ticks: each stage's fixed sequence, each pass as soon
+    as it can run."""
+    fo, bo = forward_order(S, M, R), backward_order(S, M, R)
+    run, n = _Run(S, M, R), R * M
+    sequences = []
+    for s in range(S):
+        warm = min((S - s - 1) * 2 + (R - 1) * S if R > 1 else S - s - 1, n)
+        seq = [(FORWARD, k) for k in range(warm)]
+        f = b = 0
+        f = warm
+        while f < n:
+            seq += [(FORWARD, f), (BACKWARD, b)]
+            f, b = f + 1, b + 1
+        seq += [(BACKWARD, k) for k in range(b, n)]
+        sequences.append(seq)
+    at, t = [0] * S, 0
+    while any(at[s] < 2 * n for s in range(S)):
         picks = []
         for s in range(S):
-            nf, nb, nw = n[FORWARD][s], n[INPUT_GRAD][s], n[WEIGHT_GRAD][s]
-            ready_b = (
-                nb < M
-                and 0 <= done[FORWARD][s, nb] < t
-                and (s == S - 1 or 0 <= done[INPUT_GRAD][s + 1, nb] < t)
-            )
-            ready_f = nf < M and nf - nw < cap and (s == 0 or 0 <= done[FORWARD][s - 1, nf] < t)
-            if not split:
-                picks.append((BACKWARD, nb) if ready_b else (FORWARD, nf) if ready_f else None)
+            if at[s] == 2 * n:
                 continue
-            if ready_b:
-                picks.append((INPUT_GRAD, nb))
-            elif nb - nw >= wlimit:
-                picks.append((WEIGHT_GRAD, nw))
-            elif ready_f:
-                picks.append((FORWARD, nf))
-            elif nw < nb:
-                picks.append((WEIGHT_GRAD, nw))
-            else:
-                picks.append(None)
-        for s, pick in enumerate(picks):
-            if pick is not None:
-                kind, m = pick
-                for k in (INPUT_GRAD, WEIGHT_GRAD) if kind == BACKWARD else (kind,):
-                    done[k][s, m] = t
-                    n[k][s] += 1
+            kind, k = sequences[s][at[s]]
+            m, r = (fo if kind == FORWARD else bo)[k]
+            ok = run.input_ready(s, m, r, t) if kind == FORWARD else run.cotangent_ready(s, m, r, t)
+            if ok:
+                picks.append((s, kind, m, r))
+        for s, kind, m, r in picks:
+            for k in (INPUT_GRAD, WEIGHT_GRAD) if kind == BACKWARD else (kind,):
+                run.done[k][s, m, r] = t
+            at[s] += 1
         t += 1
-        if t > 4 * (3 * M + S):
+    return run.done, t
+
+
+def _split(S: int, M: int, R: int, cap: int, wlimit: int):
+    """ZB-H1's (R = 1) and interleaved zero-bubble's ticks from the list scheduler, or None if it
+    stalls."""
+    fo, bo = forward_order(S, M, R), backward_order(S, M, R)
+    run, n = _Run(S, M, R), R * M
+    count = {k: [0] * S for k in run.done}
+    t = 0
+    while min(count[WEIGHT_GRAD]) < n:
+        picks = []
+        for s in range(S):
+            nf, nb, nw = count[FORWARD][s], count[INPUT_GRAD][s], count[WEIGHT_GRAD][s]
+            ready_b = nb < n and run.cotangent_ready(s, *bo[nb], t)
+            ready_f = nf < n and nf - nw < cap and run.input_ready(s, *fo[nf], t)
+            if ready_b:
+                picks.append((s, INPUT_GRAD, *bo[nb]))
+            elif nb - nw >= wlimit:
+                picks.append((s, WEIGHT_GRAD, *bo[nw]))
+            elif ready_f:
+                picks.append((s, FORWARD, *fo[nf]))
+            elif nw < nb:
+                picks.append((s, WEIGHT_GRAD, *bo[nw]))
+        for s, kind, m, r in picks:
+            run.done[kind][s, m, r] = t
+            count[kind][s] += 1
+        t += 1
+        if t > 4 * (3 * n + S):
             return None
-    return done, t
+    return run.done, t
 
 
-def _most_held(start: np.ndarray, end: np.ndarray) -> int:
-    """The most microbatches held at once, each from the end of tick start[m] to tick end[m]."""
-    ticks = np.arange(max(int(end.max()), 0) + 1)
-    return int(((start[:, None] <= ticks[None]) & (ticks[None] < end[:, None])).sum(axis=0).max())
+def _ring(keys: np.ndarray, start: np.ndarray, end: np.ndarray) -> int:
+    """The smallest ring length at which no two of the values held at once (value i from tick
+    start[i] to tick end[i], both counted) share a slot key[i] mod length; 1 if none is held."""
+    keys, start, end = (np.asarray(a).ravel() for a in (keys, start, end))
+    ticks = np.arange(int(end.max()) + 1) if len(end) else np.arange(1)
+    held = (start[:, None] <= ticks[None]) & (ticks[None] <= end[:, None])
+    length = max(int(held.sum(axis=0).max()), 1)
+    while True:
+        slots = keys % length
+        if all(len(set(slots[held[:, x]].tolist())) == int(held[:, x].sum()) for x in range(len(ticks))):
+            return length
+        length += 1
 
 
 @functools.lru_cache(maxsize=64)
-def table(S: int, M: int, split: bool = True) -> Table:
-    """ZB-H1's table (`split`) for S stages and M >= S microbatches, in 3 M + S - 1 ticks, or
-    1F1B's, in 2 (M + S - 1)."""
-    target = 3 * M + S - 1 if split else 2 * (M + S - 1)
-    best = None
-    for cap in range(S, 2 * S + 3):
-        for wlimit in range(1, S + 3) if split else (1,):
-            found = _simulate(S, M, cap, wlimit, split)
-            if found is not None and found[1] == target:
-                best = found
+def table(S: int, M: int, split: bool = True, R: int = 1) -> Table:
+    """The table for S stages, R chunks each and M >= S microbatches (a multiple of S when R > 1):
+    zero-bubble (`split`) in 3 R M + S - 1 ticks, else 1F1B in 2 (R M + S - 1)."""
+    n = R * M
+    if split:
+        target, found = 3 * n + S - 1, None
+        for cap in range(S, 2 * R * S + 3):
+            for wlimit in range(1, R * S + 3):
+                found = _split(S, M, R, cap, wlimit)
+                if found is not None and found[1] == target:
+                    break
+                found = None
+            if found is not None:
                 break
-        if best is not None:
-            break
-    if best is None:
-        name = "ZB-H1" if split else "1F1B"
-        raise ValueError(f"no {name} table of {target} ticks for {S} stages and {M} microbatches")
-    done, T = best
-    F, Bk, Wk = done[FORWARD], done[INPUT_GRAD], done[WEIGHT_GRAD]
+        if found is None:
+            raise ValueError(
+                f"no zero-bubble table of {target} ticks for {S} stages, {R} chunks, {M} microbatches"
+            )
+    else:
+        found = _whole(S, M, R)
+    done, T = found
+    fo, bo = forward_order(S, M, R), backward_order(S, M, R)
+    f_index = {mr: k for k, mr in enumerate(fo)}
+    b_index = {mr: k for k, mr in enumerate(bo)}
     kind = np.full((S, T), IDLE, np.int32)
-    microbatch = np.zeros((S, T), np.int32)
+    microbatch, chunk, fwd_i, bwd_i = (np.zeros((S, T), np.int32) for _ in range(4))
     for k, when in done.items():
         for s in range(S):
-            kind[s, when[s]] = k if split or k == FORWARD else BACKWARD
-            microbatch[s, when[s]] = np.arange(M)
+            for (m, r), t in np.ndenumerate(when[s]):
+                kind[s, t] = k if split or k == FORWARD else BACKWARD
+                microbatch[s, t], chunk[s, t] = m, r
+                fwd_i[s, t], bwd_i[s, t] = f_index[m, r], b_index[m, r]
+    F, Bk, Wk = done[FORWARD], done[INPUT_GRAD], done[WEIGHT_GRAD]
     arrives_forward = np.full((S, T), -1, np.int32)
     arrives_backward = np.full((S, T), -1, np.int32)
-    for s in range(S):
-        if s > 0:
-            arrives_forward[s, F[s - 1]] = np.arange(M)
-        if s < S - 1:
-            arrives_backward[s, Bk[s + 1]] = np.arange(M)
+    # Per stage: (key, start, end) of what each ring holds.
+    inputs, cotangents = [[] for _ in range(S)], [[] for _ in range(S)]
+    for m in range(M):
+        for r in range(R):
+            for s in range(S):
+                v = r * S + s
+                if v < R * S - 1:  # F's output goes to the next virtual stage
+                    d, dr = (s + 1) % S, r + (s == S - 1)
+                    arrives_forward[d, F[s, m, r]] = f_index[m, dr]
+                    inputs[d].append((f_index[m, dr], F[s, m, r], F[d, m, dr]))
+                else:  # the loss's cotangent, made in F
+                    cotangents[s].append((b_index[m, r], F[s, m, r], Bk[s, m, r]))
+                if v > 0:  # B's output goes to the previous virtual stage
+                    d, dr = (s - 1) % S, r - (s == 0)
+                    arrives_backward[d, Bk[s, m, r]] = b_index[m, dr]
+                    cotangents[d].append((b_index[m, dr], Bk[s, m, r], Bk[d, m, dr]))
+
+    def ring(per_stage):
+        return max(_ring(*np.asarray(held).T) if held else 1 for held in per_stage)
+
+    def held(start, end, order):
+        return [
+            [(order[m, r], start[s, m, r], end[s, m, r]) for m in range(M) for r in range(R)]
+            for s in range(S)
+        ]
+
     return Table(
-        kind=kind,
-        microbatch=microbatch,
-        arrives_forward=arrives_forward,
-        arrives_backward=arrives_backward,
-        # A pass's value is written in its tick and read in a later one: held from its tick to the
-        # reader's (the reader's tick included, for the ring's slot must not be written by then).
-        residual_slots=max(_most_held(F[s], Wk[s] + 1) for s in range(S)),
-        saved_slots=max(_most_held(Bk[s], Wk[s] + 1) for s in range(S)) if split else 0,
-        input_slots=max([_most_held(F[s - 1], F[s] + 1) for s in range(1, S)]),
-        cotangent_slots=max(
-            [_most_held(Bk[s + 1], Bk[s] + 1) for s in range(S - 1)] + [_most_held(F[S - 1], Bk[S - 1] + 1)]
-        ),
-    )
+        kind=kind, microbatch=microbatch, chunk=chunk, forward_index=fwd_i, backward_index=bwd_i,
+        arrives_forward=arrives_forward, arrives_backward=arrives_backward,
+        residual_slots=ring(held(F, Wk, f_index)),
+        saved_slots=ring(held(Bk, Wk, b_index)) if split else 0,
+        input_slots=ring(inputs), cotangent_slots=ring(cotangents),
+    )  # fmt: skip

@@ -9,10 +9,8 @@ stage); every iteration all S stages run at once as one `vmap` over the stage ax
 microbatch in front of it, and the activations move to the next stage by a rotation of the
 stage-split array, which the partitioner compiles to a collective-permute. Autodiff runs the
 same schedule backwards (the transpose of a collective-permute is the reverse permute), with
-the model's remat policy inside each stage. Why not shard_map over `stage`: the layers would then
-run inside a partially manual region, where every constraint and parallel op the model uses
-(context attention, the dropless MoE) would need a second, manual-axis-aware spelling; the
-vmapped step needs none.
+the model's remat policy inside each stage. (The scheduled pipelines run their stages apart
+instead, in a region manual over `stage` whose layers see the same rules: scheduled.py.)
 
 Schedule (S stages, M microbatches, R repeats; M >= S): microbatch m visits virtual stage
 v = r*S + s (canonical layer groups v*Gps ... v*Gps + Gps - 1) at iteration r*M + m + s, so the
@@ -51,13 +49,12 @@ from spmd.parallel.strategy import Attribution, Strategy, rule, squeeze
 STAGE_AXIS = "stage"
 
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
-# Schedules whose backward is scheduled with the forward (spmd/parallel/scheduled.py); the others
-# get theirs from autodiff of the forward loop.
+# Schedules whose backward is scheduled with the forward (spmd/parallel/scheduled.py), their stages
+# running different passes in the same tick; the others get theirs from autodiff of the forward
+# loop, every stage on the same pass.
 SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 # Scheduled with each backward split into the input's and the weights' gradient (zero-bubble).
 SPLIT = ("zb_h1", "interleaved_zb")
-# Scheduled with stages that run different passes in the same tick (scheduled._diverged).
-DIVERGING = ("1f1b", "zb_h1")
 WITH_REPEATS = ("circular", "interleaved_1f1b", "interleaved_zb")
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
 
@@ -125,9 +122,7 @@ class Schedule:
     @property
     def ticks(self) -> "scheduled.Ticks":
         """The tick plan of a scheduled backward."""
-        return scheduled.Ticks(
-            self.stages, self.microbatches, self.repeats, split=self.split, diverge=self.name in DIVERGING
-        )
+        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.split)
 
     @property
     def split(self) -> bool:
@@ -145,28 +140,20 @@ class Schedule:
     @property
     def bubble_fraction(self) -> float:
         """Share of each stage's pass slots spent idle, a forward, an input-gradient and a
-        weight-gradient pass costing alike: (S - 1) / (M R + S - 1) for the schedules with whole
-        backwards (scheduled.py's lockstep ticks run the forward and backward passes S - 1 ticks
-        apart, each tick's weight gradient with its backward), 2 (S - 1) / (3 M R + 2 (S - 1)) for
-        the split ones (their R M chunk-sized weight-gradient passes run in ticks that have work for
-        every stage), (S - 1) / (3 M + S - 1) for ZB-H1, whose stages run one pass each per tick
-        (diverging.py; 1F1B's one pass per tick, F or a whole backward, gives its (S - 1) / (M +
-        S - 1))."""
+        weight-gradient pass (of a chunk) costing alike: (S - 1) / (M R + S - 1) for the schedules
+        with whole backwards (GPipe and circular lockstep; 1F1B and interleaved 1F1B, whose stages
+        run one pass each per tick, F or a whole backward, in 2 (M R + S - 1) ticks), (S - 1) /
+        (3 M R + S - 1) for the zero-bubble ones (F, B or W each tick, in 3 M R + S - 1;
+        diverging.py)."""
         S, M, R = self.stages, self.microbatches, self.repeats
-        if self.name in DIVERGING and self.split:
-            return (S - 1) / (3 * M + S - 1)
         if self.split:
-            return 2 * (S - 1) / (3 * M * R + 2 * (S - 1))
+            return (S - 1) / (3 * M * R + S - 1)
         return (S - 1) / (M * R + S - 1)
 
     @property
     def bubble_formula(self) -> str:
         """`bubble_fraction` in S, M and R."""
-        if self.name in DIVERGING and self.split:
-            return "(S-1)/(3M+S-1)"
-        if self.split:
-            return "2(S-1)/(3M*R+2(S-1))"
-        return "(S-1)/(M*R+S-1)"
+        return "(S-1)/(3M*R+S-1)" if self.split else "(S-1)/(M*R+S-1)"
 
     @property
     def in_flight(self) -> int:
@@ -419,7 +406,6 @@ def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None
     spmd/parallel/scheduled.py (1F1B, interleaved). `inputs`: the embedding's per-row inputs
     (leading axis B); `head(x_BTD) -> logits`; the rest as `run`'s."""
     rules, mesh = active()
-    M = schedule.microbatches
     G = jax.tree.leaves(xs)[0].shape[0]
 
     def constrain(x, spec):
@@ -427,19 +413,15 @@ def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None
 
     inner = layer_rules(rules, schedule)
     w = stage_weights(xs, xs_axes, schedule, rules, constrain)
-    # The embedding, head and loss run on each microbatch's rows split as outside the pipeline
-    # (over the stages too) where they divide, else as inside it.
-    outer_split = axes_size(mesh.shape, [a for a in rules.mapping.get("batch", ()) if mesh.shape[a] > 1])
-    tail_rules = rules if (jax.tree.leaves(inputs)[0].shape[0] // M) % outer_split == 0 else inner
 
     def canonical(acc):  # (S, R, Gps, ...) -> (G, ...) in canonical order: group (r*S + s)*Gps + j
         return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(G, *a.shape[3:]), acc)
 
     loss, sums, stats = scheduled.loss(
         layers_fn, embed, inputs, w, side, head=head, tail=tail.fn, rows=tail.rows,
-        ticks=schedule.ticks, tail_rules=tail_rules, aux_loss=tail.aux_loss,
+        ticks=schedule.ticks, aux_loss=tail.aux_loss,
         combine_stats=combine_stats or (lambda s, n: s), canonical=canonical, axes=schedule.axes,
-        res_spec=inner.spec(x_axes), inner=inner, mesh=mesh, constrain=constrain,
+        res_spec=inner.spec(x_axes), inner=inner, mesh=mesh,
     )  # fmt: skip
     return (loss, sums), stats
 

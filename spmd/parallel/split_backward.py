@@ -396,19 +396,6 @@ class Split:
         ]
 
 
-def moved_axis(shape, probe_shape, size: int, probe: int) -> int:
-    """The axis of a value of `shape` that is `probe` long in `probe_shape`, the same value traced
-    with that axis `probe` long instead of `size`."""
-    differ = [i for i, (a, b) in enumerate(zip(shape, probe_shape, strict=True)) if a != b]
-    if (
-        len(shape) != len(probe_shape)
-        or len(differ) != 1
-        or (shape[differ[0]], probe_shape[differ[0]]) != (size, probe)
-    ):
-        raise ValueError(f"cannot find the mapped axis: {shape} traced as {probe_shape}")
-    return differ[0]
-
-
 def split(closed: jax_core.ClosedJaxpr, n_first: int, later: list[bool]) -> Split:
     """Cut `closed` (outputs: the first `n_first` now, the rest later); `later[i]`: input i is
     given to the second pass as well."""

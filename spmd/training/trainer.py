@@ -201,7 +201,7 @@ class _DivergingStep:
                     f"once, which XLA:CPU's in-process collectives cannot: train with spmd-train (it starts "
                     f"JAX's runtime, and with it gloo collectives), or call jax.distributed.initialize("
                     f"'127.0.0.1:PORT', num_processes=1, process_id=0) before JAX starts; "
-                    f"pipeline.schedule=gpipe, circular, interleaved_1f1b or interleaved_zb run without it"
+                    f"pipeline.schedule=gpipe or circular run without it"
                 )
             self.checked = True
         return self.step(*args, **kwargs)
@@ -589,7 +589,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
         )  # fmt: skip
 
     def runnable(step):
-        if plan.schedule is None or not plan.schedule.ticks.diverge:
+        if plan.schedule is None or not plan.schedule.scheduled:
             return step
         return _DivergingStep(step, list(plan.mesh.devices.flat), plan.schedule.name)
 
