@@ -132,7 +132,8 @@ class Schedule:
 
     @property
     def iterations(self) -> int:
-        """Forward iterations (GPipe, circular), or ticks (1F1B: forward and backward)."""
+        """Forward iterations (GPipe, circular), or the scheduled pipelines' ticks (each a pass of
+        every stage)."""
         if self.scheduled:
             return self.ticks.total
         return self.microbatches * self.repeats + self.stages - 1
@@ -403,7 +404,7 @@ def loss(layers_fn, embed, inputs, xs, side, *, x_axes, head, tail, xs_axes=None
          schedule: Schedule):  # fmt: skip
     """(tail's (loss, sums), stats) of the embedding, the layer stack, the head and the loss
     (`tail`, a spmd.core.family.Tail), all per microbatch in the scheduled forward and backward of
-    spmd/parallel/scheduled.py (1F1B, interleaved). `inputs`: the embedding's per-row inputs
+    spmd/parallel/scheduled.py (1F1B, ZB-H1 and their interleaved forms). `inputs`: the embedding's per-row inputs
     (leading axis B); `head(x_BTD) -> logits`; the rest as `run`'s."""
     rules, mesh = active()
     G = jax.tree.leaves(xs)[0].shape[0]
@@ -465,7 +466,7 @@ def stage_traffic(c, seen):
         squeeze((M, rows // M, T, D)),
         squeeze((rows, T, D)),
         squeeze((rows // S, T, D)),  # the rows one stage computes the head of
-        # 1F1B: one microbatch's rows, and one stage's share of them, each tick
+        # a scheduled pipeline: one microbatch's rows, and one stage's share of them, each tick
         squeeze((rows // M, T, D)),
         squeeze((rows // M // S, T, D)),
     }
@@ -473,7 +474,7 @@ def stage_traffic(c, seen):
         return rule(["layers"], seen.axes), (
             "pipeline: the stages' input rows to stage 0 and the outputs from it to the stages "
             "that compute their head and loss (forward), their gradients back (backward); under "
-            "1F1B one microbatch's each tick"
+            "a scheduled pipeline one microbatch's each tick"
         )
     return None
 

@@ -510,7 +510,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     seq_perm = context.seq_permutation(plan.rules, mesh, tcfg.seq_len)
     family = plan.family
     aux_weights = family.aux_weights(cfg.model)
-    # 1F1B: the loss runs inside the pipeline's schedule (spmd/parallel/scheduled.py)
+    # A scheduled pipeline runs the loss inside its schedule (spmd/parallel/scheduled.py)
     in_schedule = plan.schedule is not None and plan.schedule.scheduled
     if in_schedule and objective != "lm":
         raise UserError(
