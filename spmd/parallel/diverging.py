@@ -127,8 +127,7 @@ def _whole(S: int, M: int, R: int):
     for s in range(S):
         warm = min((S - s - 1) * 2 + (R - 1) * S if R > 1 else S - s - 1, n)
         seq = [(FORWARD, k) for k in range(warm)]
-        f = b = 0
-        f = warm
+        f, b = warm, 0
         while f < n:
             seq += [(FORWARD, f), (BACKWARD, b)]
             f, b = f + 1, b + 1
@@ -150,6 +149,8 @@ def _whole(S: int, M: int, R: int):
                 run.done[k][s, m, r] = t
             at[s] += 1
         t += 1
+        if t > 4 * (2 * n + S):  # a sequence waiting on a pass that never runs
+            raise ValueError(f"no 1F1B table for {S} stages, {R} chunks, {M} microbatches")
     return run.done, t
 
 
@@ -203,15 +204,9 @@ def table(S: int, M: int, split: bool = True, R: int = 1) -> Table:
     zero-bubble (`split`) in 3 R M + S - 1 ticks, else 1F1B in 2 (R M + S - 1)."""
     n = R * M
     if split:
-        target, found = 3 * n + S - 1, None
-        for cap in range(S, 2 * R * S + 3):
-            for wlimit in range(1, R * S + 3):
-                found = _split(S, M, R, cap, wlimit)
-                if found is not None and found[1] == target:
-                    break
-                found = None
-            if found is not None:
-                break
+        target = 3 * n + S - 1
+        tries = ((cap, wlimit) for cap in range(S, 2 * R * S + 3) for wlimit in range(1, R * S + 3))
+        found = next((f for cap, w in tries if (f := _split(S, M, R, cap, w)) and f[1] == target), None)
         if found is None:
             raise ValueError(
                 f"no zero-bubble table of {target} ticks for {S} stages, {R} chunks, {M} microbatches"
