@@ -12,7 +12,7 @@ microbatch, so the global batch is M x rows): per-chip peak and temporaries, the
 and counted, microbatch chunks in flight, and bytes sent over `stage`. Memory flat in M is the
 claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most S,
 interleaved 1F1B 2 R S - 1 chunks (ZB-H1 at most S + 3, and S microbatches' weight-pass inputs
-besides).
+besides; interleaved zero-bubble S chunks' of them).
 
 `flops`: the same comparison on XLA:CPU for `tiny` (8 layers) on stage=4,data=2, where the
 compiled matmul FLOPs are parsed (the TPU compiler writes matmuls as convolutions, not parsed),

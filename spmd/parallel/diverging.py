@@ -19,11 +19,14 @@ ZB-H1 and interleaved zero-bubble (split backwards): in the published ZB-H1 each
 tick, one of three passes of one microbatch chunk: F, B (the input's gradient, which the previous
 virtual stage waits for) or W (the weights' gradient, which nobody waits for), and W fills what
 would be idle. Their table comes from a list scheduler over those unit passes, stage by stage each
-tick: B when its cotangent has arrived (its forward ran here and the next virtual stage ran its B,
-or this is the last one); else W if `wlimit` weight passes wait; else F if its input has arrived
-and fewer than `cap` chunks are between their F and their W here; else the oldest waiting W; else
-nothing. The smallest `cap` and `wlimit` that reach 3 R M + S - 1 ticks are kept (they bound what a
-stage holds): each stage idles S - 1 ticks, a third of 1F1B's 3 (S - 1) pass-lengths.
+tick: the oldest waiting W if `wlimit` weight passes wait; else B when its cotangent has arrived
+(its forward ran here and the next virtual stage ran its B, or this is the last one); else F if its
+input has arrived and fewer than `cap` chunks are between their F and their W here; else the oldest
+waiting W; else nothing. The smallest `cap` and `wlimit` that reach 3 R M + S - 1 ticks are kept
+(they bound what a stage holds: `wlimit` B's operands, the largest thing a stage keeps, which comes
+out S at every shape tried, interleaved or not): each stage idles S - 1 ticks, a third of 1F1B's
+3 (S - 1) pass-lengths. (W's bound goes before B: a scheduler that lets a ready B pass a full W
+queue reaches the same ticks holding up to R S of them.)
 
 Rings: what waits between two passes (a forward's residuals until its backward, B's operands for
 W, arrived activations and cotangents) sits in a ring of slots keyed by the chunk's place in the
@@ -167,10 +170,10 @@ def _split(S: int, M: int, R: int, cap: int, wlimit: int):
             nf, nb, nw = count[FORWARD][s], count[INPUT_GRAD][s], count[WEIGHT_GRAD][s]
             ready_b = nb < n and run.cotangent_ready(s, *bo[nb], t)
             ready_f = nf < n and nf - nw < cap and run.input_ready(s, *fo[nf], t)
-            if ready_b:
-                picks.append((s, INPUT_GRAD, *bo[nb]))
-            elif nb - nw >= wlimit:
+            if nb - nw >= wlimit:  # before B: no stage holds more than `wlimit` B's for W
                 picks.append((s, WEIGHT_GRAD, *bo[nw]))
+            elif ready_b:
+                picks.append((s, INPUT_GRAD, *bo[nb]))
             elif ready_f:
                 picks.append((s, FORWARD, *fo[nf]))
             elif nw < nb:
