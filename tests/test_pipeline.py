@@ -2,6 +2,7 @@
 and interleaved 1F1B train like one device, checkpoints move in and out of a pipeline in canonical
 layer order, and the compiled step sends, computes and holds what the schedule says."""
 
+import collections
 import json
 import math
 import pathlib
@@ -440,7 +441,7 @@ def test_1f1b_holds_a_fixed_number_of_microbatches_and_counts_the_bubble_gpipe_h
         assert gpipe["bubble_fraction"] == one["bubble_fraction"] == analytic
         # Each pass's ticks, from the compiled step's moves between stages: GPipe's passes M + S - 1
         # ticks each; 1F1B's stages one pass (F or a whole backward) in each of 2 (M + S - 1)
-        # ticks, both moves every tick.
+        # ticks (the tick loop's trips).
         assert gpipe["ticks_counted"] == {"forward": m + S - 1, "backward": m + S - 1}
         assert one["ticks_counted"] == {"forward": 2 * (m + S - 1), "backward": 2 * (m + S - 1)}
         assert one["bubble_counted"] == pytest.approx(analytic)
@@ -456,8 +457,35 @@ def test_1f1b_holds_a_fixed_number_of_microbatches_and_counts_the_bubble_gpipe_h
     assert abs(temp["interleaved_zb", 16] - temp["interleaved_zb", 8]) < one_microbatch
 
 
+def test_scheduled_pipelines_move_only_what_a_stage_sent(scheduled_dry_runs):
+    """Each tick each way, only the stages whose pass made something for a neighbour send it (one
+    conditional over the table's sets of stage pairs, the same on every stage): the compiled
+    step's permutes carry one microbatch's activations per tick in which some stage sends, counted
+    at each set's share of the ticks, not two every tick; the ticks stay the loop's."""
+    from spmd.parallel.scheduled import Ticks
+
+    S = 4
+    one_microbatch = 8 // 2 * 32 * 64 * 4  # rows per device x T x D x fp32
+    for name, ticks_of in (("1f1b", lambda m: Ticks(S, m)), ("zb_h1", lambda m: Ticks(S, m, split=True)),
+                           ("interleaved_zb", lambda m: Ticks(S, m, 2, True))):  # fmt: skip
+        for m in (8, 16):
+            ticks, pp = ticks_of(m), scheduled_dry_runs[name, m]["pipeline"]
+            busy = 0
+            for forward in (True, False):
+                sets, index = ticks.moves(forward)
+                assert len(index) == ticks.total and len(set(sets)) == len(sets)
+                busy += sum(bool(sets[i]) for i in index)
+                # every stage's sends, each way: one per microbatch chunk that leaves it
+                sent = collections.Counter(a for i in index for a, _ in sets[i])
+                last = S - 1 if forward else 0
+                assert all(sent[s] == ticks.repeats * m - (s == last) * m for s in range(S))
+            assert busy < 2 * ticks.total
+            assert pp["collective_permute_bytes"] == busy * one_microbatch
+            assert pp["ticks_counted"] == {"forward": ticks.total, "backward": ticks.total}
+
+
 def test_zb_h1_idles_a_third_of_what_1f1b_idles_and_neither_computes_an_idle_slot(scheduled_dry_runs):
-    """ZB-H1 with stages that diverge: both moves between stages every tick, 3 M + S - 1 ticks
+    """ZB-H1 with stages that diverge: 3 M + S - 1 ticks
     (counted in the compiled step), each stage running one pass in each, so each idles S - 1 pass
     slots against 1F1B's 3 (S - 1): the published third. Their idle slots run the empty branch, so
     both compile the unpipelined step's FLOPs (the tick's passes counted at the share of the

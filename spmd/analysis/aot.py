@@ -55,19 +55,28 @@ def pipeline_report(plan, rows, items) -> dict | None:
     counts multiplied in, are the ticks each pass took, of which R M did work. The pass's last
     move, which nothing reads, may be left out by the compiler where that tick is not in a loop:
     each pass is counted as the longer of the two. The scheduled pipelines, whose stages diverge,
-    move both ways every tick and run one pass of a stage in each: their ticks are either move's
-    count, 2 R M (F and a whole backward) or 3 R M (F, B and W) of each stage's slots work."""
+    run one pass of a stage in each tick and move each way only the pairs of stages that send in
+    it, one conditional per direction over the table's sets of pairs (`scheduled.Ticks.moves`),
+    each set's permute counted at its share of the ticks: their ticks are the loop's trips, any
+    move's count over its set's share; 2 R M (F and a whole backward) or 3 R M (F, B and W) of
+    each stage's slots work."""
     schedule = plan.schedule
     if schedule is None:
         return None
+    shares = schedule.ticks.branch_shares if schedule.scheduled else {}
     ticks = {"forward": 0, "backward": 0}
     for c in items:
         if c.kind == "collective-permute" and set(c.axes) <= set(schedule.axes) and "ppermute" in c.op_name:
             backward = "transpose(" in c.op_name or scheduled.BACKWARD_SCOPE in c.op_name
-            ticks["backward" if backward else "forward"] += c.count
+            way = "backward" if backward else "forward"
+            share = next((x for scope, x in shares.items() if f"/{scope}/" in f"/{c.op_name}/"), None)
+            if share:  # a move of a scheduled pipeline: the tick loop's trips
+                ticks[way] = max(ticks[way], round(c.count / share))
+            else:
+                ticks[way] += c.count
     per_pass = max(ticks.values())
     work = schedule.repeats * schedule.microbatches
-    if schedule.scheduled:  # one pass slot per stage and tick, both moves every tick
+    if schedule.scheduled:  # one pass slot per stage and tick
         work *= schedule.ticks.table.passes
     bubble = 1 - work / per_pass if per_pass else None
     permute = sum(
@@ -313,7 +322,8 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     text = compiled.as_text()  # printed once: large for big models, read by both parsers
-    items = hlo.collectives(text, mesh)
+    shares = plan.schedule.ticks.branch_shares if plan.schedule and plan.schedule.scheduled else None
+    items = hlo.collectives(text, mesh, taken=shares)
     sizes = dict(mesh.shape)
     rows = []
     for (kind, axes), v in sorted(hlo.summarize(items).items()):
@@ -373,9 +383,7 @@ def dry_run(setup, list_instructions: bool = False, explain: bool = False) -> di
         "model_flops_per_step": flops,
         "model_flops_per_device": flops / mesh.size,
         # What the program runs: recomputation and idle pipeline stages included.
-        "compiled_matmul_flops_per_device": hlo.matmul_flops(
-            text, plan.schedule.ticks.branch_shares if plan.schedule and plan.schedule.scheduled else None
-        ),
+        "compiled_matmul_flops_per_device": hlo.matmul_flops(text, shares),
         # Attention is the model's only Pallas kernel: its launches per step, and per layer.
         "kernel_calls_per_step": (calls := hlo.kernel_calls(text)),
         "kernel_calls_per_layer": calls / figures.n_layers,

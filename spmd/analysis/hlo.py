@@ -43,7 +43,7 @@ class Collective:
     kind: str
     axes: tuple[str, ...]  # mesh axes the devices of one group differ in
     bytes: int  # result bytes per device, one execution
-    count: int  # executions per step (loop trip counts multiplied in)
+    count: float  # executions per step (loop trip counts and conditional branches' shares multiplied in)
     computation: str  # the HLO computation it sits in
     loop_trips: int  # product of the enclosing loops' trip counts (1: not in a loop)
     name: str
@@ -274,12 +274,16 @@ def _async_started(comps) -> tuple[set[str], set[tuple[str, str]]]:
     return starts, started
 
 
-def collectives(text: str, mesh, all_branches: bool = False) -> list[Collective]:
+def collectives(
+    text: str, mesh, all_branches: bool = False, taken: dict[str, float] | None = None
+) -> list[Collective]:
     """Every collective instruction of the optimised module, with its mesh axes and per-step count.
     `all_branches`: a conditional's branches counted as if each ran (e.g. a sync that runs every H
-    steps), else only its first (what runs when nothing is due)."""
+    steps), else only its first (what runs when nothing is due), except that a conditional whose
+    branches hold scopes of `taken` counts each at its share (as `matmul_flops`; a count is then
+    a mean, not always whole)."""
     comps, entry = _computations(text)
-    mult = _multipliers(comps, entry, all_branches)
+    mult = _multipliers(comps, entry, all_branches, taken)
     names = tuple(mesh.axis_names)
     # Replica groups name devices by their place in the program's device assignment (the mesh's
     # devices in order), not by device id: the two differ for a permuted mesh or TPU slices.
@@ -314,6 +318,8 @@ def collectives(text: str, mesh, all_branches: bool = False) -> list[Collective]
                 groups = _groups(rest) or []
             axes = _axes_of(groups, coords, names) if groups else ()
             trips = mult[comp]
+            if abs(trips - round(trips)) < 1e-9:  # branches' shares that add up to whole runs
+                trips = round(trips)
             nbytes = shape_bytes(shape)
             if kind == "all-reduce" and comp.startswith("all-reduce-scatter") and groups:
                 # The TPU compiler's reduce-scatter: a fusion of an all-reduce and the slice each

@@ -45,6 +45,10 @@ from spmd.parallel import diverging, split_backward
 
 # The named scopes of the activations' and the gradients' moves between stages.
 FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
+# A move between stages runs, each tick, only the pairs of stages its table has sending then: one
+# conditional per direction over the sets of (from, to) pairs the table uses, the same set on every
+# stage, each set's branch in the named scope of its direction's scope, "_", and its index in
+# `Ticks.moves`.
 # The named scope of the head and loss on the microbatch leaving the last virtual stage.
 TAIL_SCOPE = "pipeline_tail"
 # The named scope of each branch a tick's switch may have (the last is the idle one, with nothing
@@ -120,15 +124,41 @@ class Ticks:
         index = np.asarray([names.index(n) if n in names else -1 for n in BRANCHES], np.int32)
         return index[self._branch_table()]
 
+    def moves(self, forward: bool) -> tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray]:
+        """The sets of (from, to) stage pairs that send in some tick, in the order of first use,
+        and (T,) the index of each tick's set: forward, the stages whose F made a chunk's output
+        for the next virtual stage; else those whose B (or whole backward) made a cotangent for
+        the previous one. With R > 1 stage S - 1 sends on to stage 0, and stage 0 back to S - 1."""
+        tab, S, R = self.table, self.stages, self.repeats
+        virtual = tab.chunk * S + np.arange(S)[:, None]
+        if forward:
+            sends, step = (tab.kind == diverging.FORWARD) & (virtual < R * S - 1), 1
+        else:
+            sends = np.isin(tab.kind, (diverging.INPUT_GRAD, diverging.BACKWARD)) & (virtual > 0)
+            step = -1
+        sets, index = [], np.zeros(tab.ticks, np.int32)
+        for t in range(tab.ticks):
+            pairs = tuple((int(s), int((s + step) % S)) for s in np.flatnonzero(sends[:, t]))
+            if pairs not in sets:
+                sets.append(pairs)
+            index[t] = sets.index(pairs)
+        return tuple(sets), index
+
     @property
     def branch_shares(self) -> dict[str, float]:
-        """{named scope: share of the ticks that run it} for each branch of the tick's switch with
-        work in it, which a count of the compiled step must weigh (`hlo.matmul_flops`): every device
-        runs the switch T times; a branch's share is its runs over all stages' ticks (the count is
-        then the mean over stages)."""
+        """{named scope: share of the ticks that run it} for each branch with work in it of the
+        tick's conditionals, which a count of the compiled step must weigh (`hlo.matmul_flops`,
+        `hlo.collectives`): every device runs them T times. A pass's share is its runs over all
+        stages' ticks (the count is then the mean over stages); a move's set of pairs, the same on
+        every stage, its share of the ticks."""
         branches, names = self.branches(), self.branch_names()
         counts = np.bincount(branches.ravel(), minlength=len(names)) / branches.size
-        return {PASS_SCOPE + name: float(c) for name, c in zip(names, counts, strict=True) if name != "idle"}
+        out = {PASS_SCOPE + name: float(c) for name, c in zip(names, counts, strict=True) if name != "idle"}
+        for scope, forward in ((FORWARD_SCOPE, True), (BACKWARD_SCOPE, False)):
+            sets, index = self.moves(forward)
+            shares = np.bincount(index, minlength=len(sets)) / len(index)
+            out.update({f"{scope}_{i}": float(x) for i, (pairs, x) in enumerate(zip(sets, shares)) if pairs})
+        return out
 
 
 def weight_only(stage_fwd, x, w_c, side_b):
@@ -297,8 +327,10 @@ def _diverged(
     """The schedule with stages that diverge (diverging.py's tables): a `shard_map` manual over the
     stage axes, in which each tick every stage runs the pass its row of the table names, one
     `lax.switch` on it, and then sends what its forward made to the next virtual stage and what its
-    backward (or input-gradient pass) made to the previous one (two collective-permutes every
-    stage runs; with R > 1 stage S - 1 sends to stage 0 and back). The passes are `_schedule`'s,
+    backward (or input-gradient pass) made to the previous one (per direction one `lax.switch` over
+    the sets of stage pairs that send in some tick, the same branch on every stage: a
+    collective-permute of the pairs sending this tick, or nothing; with R > 1 stage S - 1 sends to
+    stage 0 and back). The passes are `_schedule`'s,
     traced once on one stage; the other mesh axes stay automatic inside. Each tick's pass reads its
     chunk's weights (the stage holds R) and keys the rings by the chunk's place in the stage's
     forward or backward order.
@@ -483,11 +515,27 @@ def _diverged(
             branch_T = jnp.asarray(branch_of)[s]
             pass_T = _Pass(*(jnp.asarray(a)[s] for a in (tab.microbatch, tab.chunk, tab.forward_index,
                                                           tab.backward_index)))  # fmt: skip
-            # The sends: to the next (previous) virtual stage; with R > 1 stage S - 1's forward
-            # goes on to stage 0's next chunk and stage 0's backward to stage S - 1's previous one.
-            ring = [(S - 1, 0)] if R > 1 else []
-            to_next = [(i, i + 1) for i in range(S - 1)] + ring
-            to_prev = [(j, i) for i, j in to_next]
+
+            # The sends: to the next (previous) virtual stage, from the stages that made something
+            # for it this tick (`Ticks.moves`).
+            def mover(scope, forward):
+                sets, index = ticks.moves(forward)
+
+                def move(i, pairs):
+                    def run(x):
+                        if not pairs:
+                            return jnp.zeros_like(x)
+                        with jax.named_scope(f"{scope}_{i}"):
+                            return jax.lax.ppermute(x, axes, list(pairs))
+
+                    return run
+
+                return [move(i, pairs) for i, pairs in enumerate(sets)], jnp.asarray(index)
+
+            (forward_moves, forward_T), (backward_moves, backward_T) = (
+                mover(FORWARD_SCOPE, True),
+                mover(BACKWARD_SCOPE, False),
+            )
 
             def weights(r):
                 if R == 1:
@@ -505,9 +553,9 @@ def _diverged(
                 p = _Pass(*(a[t] for a in pass_T))
                 c = jax.lax.switch(branch_T[t], branches, c, p, weights(p.r))
                 with jax.named_scope(FORWARD_SCOPE):
-                    from_prev = jax.lax.ppermute(c["send_f"], axes, to_next)
+                    from_prev = jax.lax.switch(forward_T[t], forward_moves, c["send_f"])
                 with jax.named_scope(BACKWARD_SCOPE):
-                    from_next = jax.lax.ppermute(c["send_b"], axes, to_prev)
+                    from_next = jax.lax.switch(backward_T[t], backward_moves, c["send_b"])
                 c = dict(c)
                 c["inputs"] = receive(c["inputs"], Ki, arrives_f_T[t], from_prev)
                 c["cotangents"] = receive(c["cotangents"], Kc, arrives_b_T[t], from_next)
