@@ -133,6 +133,11 @@ def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_
                     assert (k, s, m, r) not in when
                     when[k, s, m, r] = tick
     assert len(when) == 3 * S * M * R
+    held = {"residual": [], "saved": [], "input": [], "cotangent": []}  # (stage, slot, from, to)
+
+    def arrivals(arrives):
+        return [[x for x in row if x >= 0] for row in arrives]
+
     for s in range(S):
         for k, order in ((F, fo), (B, bo), (W, bo)):
             assert [when[k, s, m, r] for m, r in order] == sorted(when[k, s, m, r] for m, r in order)
@@ -143,30 +148,58 @@ def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_
                 if (r, s) != (0, 0):  # the previous virtual stage's F sent this one's input
                     p, pr = (s - 1) % S, r - (s == 0)
                     assert when[F, p, m, pr] < when[F, s, m, r]
-                    assert t.arrives_forward[s, when[F, p, m, pr]] == fo.index((m, r))
+                    # into the slot this stage's F reads
+                    assert t.arrives_forward[s, when[F, p, m, pr]] == t.input_slot[s, when[F, s, m, r]]
+                    held["input"].append(
+                        (s, t.input_slot[s, when[F, s, m, r]], when[F, p, m, pr], when[F, s, m, r])
+                    )
                 if (r, s) != (R - 1, S - 1):  # the next virtual stage's B sent this one's cotangent
                     n, nr = (s + 1) % S, r + (s == S - 1)
                     assert when[B, n, m, nr] < when[B, s, m, r]
-                    assert t.arrives_backward[s, when[B, n, m, nr]] == bo.index((m, r))
-
-    def collision_free(slots, key, a, b):  # values held from tick a to tick b (both counted)
-        for s in range(S):
-            held = [
-                (key(m, r) % slots, when[a, s, m, r], when[b, s, m, r]) for m in range(M) for r in range(R)
-            ]
-            for i, (k1, a1, b1) in enumerate(held):
-                assert not any(k1 == k2 and a1 <= b2 and a2 <= b1 for k2, a2, b2 in held[i + 1 :])
-        return True
-
-    assert collision_free(t.residual_slots, lambda m, r: fo.index((m, r)), F, W)
+                    assert t.arrives_backward[s, when[B, n, m, nr]] == t.cotangent_slot[s, when[B, s, m, r]]
+                    held["cotangent"].append(
+                        (s, t.cotangent_slot[s, when[B, s, m, r]], when[B, n, m, nr], when[B, s, m, r])
+                    )
+                else:  # the loss's, written by F where B reads it
+                    assert t.cotangent_slot[s, when[F, s, m, r]] == t.cotangent_slot[s, when[B, s, m, r]]
+                    held["cotangent"].append(
+                        (s, t.cotangent_slot[s, when[F, s, m, r]], when[F, s, m, r], when[B, s, m, r])
+                    )
+                # a chunk's residuals (and W's operands) stay in one slot from F (B) to W
+                slot = {k: t.residual_slot[s, when[k, s, m, r]] for k in (F, B, W)}
+                assert len(set(slot.values())) == 1
+                held["residual"].append((s, slot[F], when[F, s, m, r], when[W, s, m, r]))
+                if split:
+                    assert t.saved_slot[s, when[B, s, m, r]] == t.saved_slot[s, when[W, s, m, r]]
+                    held["saved"].append(
+                        (s, t.saved_slot[s, when[B, s, m, r]], when[B, s, m, r], when[W, s, m, r])
+                    )
+    assert sum(len(v) for v in arrivals(t.arrives_forward)) == sum(
+        len(v) for v in arrivals(t.arrives_backward)
+    )
+    for ring, length in (("residual", t.residual_slots), ("saved", t.saved_slots), ("input", t.input_slots),
+                         ("cotangent", t.cotangent_slots)):  # fmt: skip
+        values = held[ring]
+        if not split and ring == "saved":
+            assert not values and length == 0
+            continue
+        # no two values held at once (from tick a to tick b, both counted) share a slot; the ring
+        # is no longer than the most held at once on a stage
+        assert all(0 <= k < length for _, k, _, _ in values)
+        for i, (s1, k1, a1, b1) in enumerate(values):
+            assert not any(
+                s1 == s2 and k1 == k2 and a1 <= b2 and a2 <= b1 for s2, k2, a2, b2 in values[i + 1 :]
+            )
+        most = max(
+            sum(a <= x <= b for s2, _, a, b in values if s2 == s) for s in range(S) for x in range(t.ticks)
+        )
+        assert length == max(most, 1), ring
     if split:
-        assert collision_free(t.saved_slots, lambda m, r: bo.index((m, r)), B, W)
         assert t.saved_slots <= S  # W's operands: as many as ZB-H1 holds, interleaved or not
-    else:
-        assert t.saved_slots == 0
     if R == 1:  # 1F1B's: S in flight on stage 0, whatever M; ZB-H1's at most S + 3
         assert t.residual_slots == (min(S, M) if not split else t.residual_slots) <= S + 3
-    assert t.residual_slots <= 2 * R * S
+    else:  # chunk-sized: interleaved 1F1B's warm-up at most 2 R S - 1, interleaved_zb's R S
+        assert t.residual_slots <= (R * S if split else 2 * R * S - 1)
 
 
 # The scheduled pipelines, whose stages run different passes (and so different collectives) in the

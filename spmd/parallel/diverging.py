@@ -29,12 +29,14 @@ out S at every shape tried, interleaved or not): each stage idles S - 1 ticks, a
 queue reaches the same ticks holding up to R S of them.)
 
 Rings: what waits between two passes (a forward's residuals until its backward, B's operands for
-W, arrived activations and cotangents) sits in a ring of slots keyed by the chunk's place in the
-stage's forward or backward order; a ring's length is the smallest at which nothing held at once
-shares a slot.
+W, arrived activations and cotangents) sits in a ring of slots; each value gets a slot free from
+the tick it is made to the tick it is last read, the first free one in the order values are made
+(interval colouring, which needs no more slots than are ever held at once), and a ring's length
+is the most any stage uses.
 
 Sends: what a stage's F makes reaches the next virtual stage, and what its B makes the previous
-one, in the following tick (`arrives_forward`, `arrives_backward`).
+one, in the following tick, into the slot the table names (`arrives_forward`,
+`arrives_backward`).
 
 Legend: S stages, R chunks per stage, M microbatches, T ticks.
 """
@@ -52,15 +54,19 @@ FORWARD, INPUT_GRAD, WEIGHT_GRAD, IDLE, BACKWARD = 0, 1, 2, 3, 4
 class Table:
     """kind[s, t], microbatch[s, t], chunk[s, t]: stage s's pass at tick t, its microbatch and
     chunk (0 when idle); forward_index / backward_index: that chunk's place in the stage's forward
-    and backward order (the rings' keys)."""
+    and backward order; the *_slot arrays: that chunk's slot in each ring."""
 
     kind: np.ndarray  # (S, T) int32
     microbatch: np.ndarray  # (S, T) int32
     chunk: np.ndarray  # (S, T) int32
     forward_index: np.ndarray  # (S, T) int32
     backward_index: np.ndarray  # (S, T) int32
-    arrives_forward: np.ndarray  # (S, T): the forward index of the activations arriving after tick t, or -1
-    arrives_backward: np.ndarray  # (S, T): the backward index of the cotangent arriving after tick t, or -1
+    residual_slot: np.ndarray  # (S, T)
+    saved_slot: np.ndarray  # (S, T)
+    input_slot: np.ndarray  # (S, T)
+    cotangent_slot: np.ndarray  # (S, T)
+    arrives_forward: np.ndarray  # (S, T): the input slot of the activations arriving after tick t, or -1
+    arrives_backward: np.ndarray  # (S, T): the cotangent slot of the cotangent arriving after tick t, or -1
     # Ring lengths (module doc).
     residual_slots: int  # the forward's residuals, from F to W (or BW)
     saved_slots: int  # what W reads from B, from B to W (0 when the backward is whole)
@@ -187,18 +193,17 @@ def _split(S: int, M: int, R: int, cap: int, wlimit: int):
     return run.done, t
 
 
-def _ring(keys: np.ndarray, start: np.ndarray, end: np.ndarray) -> int:
-    """The smallest ring length at which no two of the values held at once (value i from tick
-    start[i] to tick end[i], both counted) share a slot key[i] mod length; 1 if none is held."""
-    keys, start, end = (np.asarray(a).ravel() for a in (keys, start, end))
-    ticks = np.arange(int(end.max()) + 1) if len(end) else np.arange(1)
-    held = (start[:, None] <= ticks[None]) & (ticks[None] <= end[:, None])
-    length = max(int(held.sum(axis=0).max()), 1)
-    while True:
-        slots = keys % length
-        if all(len(set(slots[held[:, x]].tolist())) == int(held[:, x].sum()) for x in range(len(ticks))):
-            return length
-        length += 1
+def _slots(held: list[tuple[tuple[int, int], int, int]]) -> dict[tuple[int, int], int]:
+    """{value: slot} for values (key, start, end) each held from tick start to tick end (both
+    counted): each takes the lowest slot free at its start, values taken in the order of their
+    start; an interval colouring, so it uses as many slots as are ever held at once."""
+    out, busy = {}, []  # busy: (end, slot) of the values still held
+    for key, start, end in sorted(held, key=lambda v: (v[1], v[2])):
+        busy = [(e, k) for e, k in busy if e >= start]
+        taken = {k for _, k in busy}
+        out[key] = slot = next(k for k in range(len(held) + 1) if k not in taken)
+        busy.append((end, slot))
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -229,38 +234,52 @@ def table(S: int, M: int, split: bool = True, R: int = 1) -> Table:
                 microbatch[s, t], chunk[s, t] = m, r
                 fwd_i[s, t], bwd_i[s, t] = f_index[m, r], b_index[m, r]
     F, Bk, Wk = done[FORWARD], done[INPUT_GRAD], done[WEIGHT_GRAD]
-    arrives_forward = np.full((S, T), -1, np.int32)
-    arrives_backward = np.full((S, T), -1, np.int32)
-    # Per stage: (key, start, end) of what each ring holds.
+    # Per stage: ((m, r), start, end) of what each ring holds; (stage, tick, (m, r)) of each send.
     inputs, cotangents = [[] for _ in range(S)], [[] for _ in range(S)]
+    sent_forward, sent_backward = [], []
     for m in range(M):
         for r in range(R):
             for s in range(S):
-                v = r * S + s
-                if v < R * S - 1:  # F's output goes to the next virtual stage
+                if r * S + s < R * S - 1:  # F's output goes to the next virtual stage
                     d, dr = (s + 1) % S, r + (s == S - 1)
-                    arrives_forward[d, F[s, m, r]] = f_index[m, dr]
-                    inputs[d].append((f_index[m, dr], F[s, m, r], F[d, m, dr]))
+                    inputs[d].append(((m, dr), F[s, m, r], F[d, m, dr]))
+                    sent_forward.append((d, F[s, m, r], (m, dr)))
                 else:  # the loss's cotangent, made in F
-                    cotangents[s].append((b_index[m, r], F[s, m, r], Bk[s, m, r]))
-                if v > 0:  # B's output goes to the previous virtual stage
+                    cotangents[s].append(((m, r), F[s, m, r], Bk[s, m, r]))
+                if r * S + s > 0:  # B's output goes to the previous virtual stage
                     d, dr = (s - 1) % S, r - (s == 0)
-                    arrives_backward[d, Bk[s, m, r]] = b_index[m, dr]
-                    cotangents[d].append((b_index[m, dr], Bk[s, m, r], Bk[d, m, dr]))
+                    cotangents[d].append(((m, dr), Bk[s, m, r], Bk[d, m, dr]))
+                    sent_backward.append((d, Bk[s, m, r], (m, dr)))
 
-    def ring(per_stage):
-        return max(_ring(*np.asarray(held).T) if held else 1 for held in per_stage)
-
-    def held(start, end, order):
+    def held(start, end):
         return [
-            [(order[m, r], start[s, m, r], end[s, m, r]) for m in range(M) for r in range(R)]
-            for s in range(S)
+            [((m, r), start[s, m, r], end[s, m, r]) for m in range(M) for r in range(R)] for s in range(S)
         ]
 
+    def ring(per_stage):
+        """(S, T) the slot of each tick's chunk, and the ring's length."""
+        slot_of = [_slots(values) for values in per_stage]
+        at = np.zeros((S, T), np.int32)
+        for s in range(S):
+            for t in range(T):
+                at[s, t] = slot_of[s].get((int(microbatch[s, t]), int(chunk[s, t])), 0)
+        return at, slot_of, max([1, *(v + 1 for slots in slot_of for v in slots.values())])
+
+    (res_at, _, K), (in_at, in_of, Ki), (cot_at, cot_of, Kc) = (
+        ring(held(F, Wk)),
+        ring(inputs),
+        ring(cotangents),
+    )
+    saved_at, _, Kw = ring(held(Bk, Wk)) if split else (np.zeros((S, T), np.int32), None, 0)
+    arrives_forward = np.full((S, T), -1, np.int32)
+    arrives_backward = np.full((S, T), -1, np.int32)
+    for d, t, mr in sent_forward:
+        arrives_forward[d, t] = in_of[d][mr]
+    for d, t, mr in sent_backward:
+        arrives_backward[d, t] = cot_of[d][mr]
     return Table(
         kind=kind, microbatch=microbatch, chunk=chunk, forward_index=fwd_i, backward_index=bwd_i,
+        residual_slot=res_at, saved_slot=saved_at, input_slot=in_at, cotangent_slot=cot_at,
         arrives_forward=arrives_forward, arrives_backward=arrives_backward,
-        residual_slots=ring(held(F, Wk, f_index)),
-        saved_slots=ring(held(Bk, Wk, b_index)) if split else 0,
-        input_slots=ring(inputs), cotangent_slots=ring(cotangents),
+        residual_slots=K, saved_slots=Kw, input_slots=Ki, cotangent_slots=Kc,
     )  # fmt: skip

@@ -61,13 +61,14 @@ BRANCHES = ("forward_first", "forward", "forward_last", "input_grad_first", "inp
 
 
 class _Pass(NamedTuple):
-    """A tick's pass on one stage: its microbatch, chunk, and the chunk's place in the stage's
-    forward and backward orders (the rings' keys)."""
+    """A tick's pass on one stage: its microbatch, chunk, and the chunk's slot in each ring."""
 
     m: jax.Array
     r: jax.Array
-    fk: jax.Array
-    bk: jax.Array
+    res: jax.Array
+    saved: jax.Array
+    inp: jax.Array
+    cot: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,10 +331,9 @@ def _diverged(
     backward (or input-gradient pass) made to the previous one (per direction one `lax.switch` over
     the sets of stage pairs that send in some tick, the same branch on every stage: a
     collective-permute of the pairs sending this tick, or nothing; with R > 1 stage S - 1 sends to
-    stage 0 and back). The passes are `_schedule`'s,
-    traced once on one stage; the other mesh axes stay automatic inside. Each tick's pass reads its
-    chunk's weights (the stage holds R) and keys the rings by the chunk's place in the stage's
-    forward or backward order.
+    stage 0 and back). The passes are `_schedule`'s, traced once on one stage; the other mesh axes
+    stay automatic inside. Each tick's pass reads its chunk's weights (the stage holds R) and its
+    chunk's slot in each ring from the table.
 
     On XLA:CPU this needs the gloo collectives (a `jax.distributed` client, one process is
     enough): its in-process ones rendezvous over every device, so collectives that different
@@ -409,9 +409,9 @@ def _diverged(
                 def branch(c, p, w_c):
                     c, m = dict(c), p.m
                     side_b = jax.tree.map(lambda a: get(a, m), side_M)
-                    x = embed(embed_consts, m) if place == "first" else get(c["inputs"], p.fk % Ki)
+                    x = embed(embed_consts, m) if place == "first" else get(c["inputs"], p.inp)
                     out, stats, res = forward(x, w_c, side_b)
-                    c["res"] = [put(r, p.fk % K, v) for r, v in zip(c["res"], res, strict=True)]
+                    c["res"] = [put(r, p.res, v) for r, v in zip(c["res"], res, strict=True)]
                     if stats is not None:
                         c["stats"] = jax.tree.map(lambda a, x: add_at(a, p.r, x), c["stats"], stats)
                     if place == "last":
@@ -424,7 +424,7 @@ def _diverged(
                         c["loss"] = c["loss"] + loss
                         c["sums"] = jax.tree.map(jnp.add, c["sums"], sums)
                         c["g_head"] = jax.tree.map(jnp.add, c["g_head"], g_head)
-                        c["cotangents"] = put(c["cotangents"], p.bk % Kc, g_y)
+                        c["cotangents"] = put(c["cotangents"], p.cot, g_y)
                     else:
                         c["send_f"] = out.astype(c["send_f"].dtype)
                     return c
@@ -437,9 +437,9 @@ def _diverged(
                 def branch(c, p, w_c):
                     c, m = dict(c), p.m
                     side_b = jax.tree.map(lambda a: get(a, m), side_M)
-                    res = [get(r, p.fk % K) for r in c["res"]]
+                    res = [get(r, p.res) for r in c["res"]]
                     recomputed = derived.fn(*jax.tree.leaves((w_c, side_b)))
-                    g = get(c["cotangents"], p.bk % Kc)
+                    g = get(c["cotangents"], p.cot)
                     g_stats = None if stats_ct is None else jax.tree.map(lambda a: get(a, p.r), stats_ct)
                     flat = jax.tree.leaves((res, recomputed, w_c, side_b, g, g_stats))
                     if whole:
@@ -448,7 +448,7 @@ def _diverged(
                         c["g_w"] = [None if acc is None else add_at(acc, p.r, next(g_w)) for acc in c["g_w"]]
                     else:
                         (g_in,), saved = cut.first(*flat)
-                        c["saved"] = [put(r, p.bk % Kw, v) for r, v in zip(c["saved"], saved, strict=True)]
+                        c["saved"] = [put(r, p.saved, v) for r, v in zip(c["saved"], saved, strict=True)]
                     c["send_b"] = g_in.astype(c["send_b"].dtype)
                     if place == "first":
                         _, pull = jax.vjp(lambda consts: embed(consts, m), embed_consts)
@@ -460,9 +460,9 @@ def _diverged(
             def weight_pass(c, p, w_c):
                 c = dict(c)
                 side_b = jax.tree.map(lambda a: get(a, p.m), side_M)
-                res = [get(r, p.fk % K) for r in c["res"]]
+                res = [get(r, p.res) for r in c["res"]]
                 recomputed = derived.fn(*jax.tree.leaves((w_c, side_b)))
-                saved = [get(r, p.bk % Kw) for r in c["saved"]]
+                saved = [get(r, p.saved) for r in c["saved"]]
                 g_w = iter(cut.second(jax.tree.leaves((res, recomputed, w_c, side_b)), saved))
                 c["g_w"] = [None if acc is None else add_at(acc, p.r, next(g_w)) for acc in c["g_w"]]
                 return c
@@ -513,8 +513,8 @@ def _diverged(
             )
             carry["loss"], carry["sums"] = zeros(tail_s)
             branch_T = jnp.asarray(branch_of)[s]
-            pass_T = _Pass(*(jnp.asarray(a)[s] for a in (tab.microbatch, tab.chunk, tab.forward_index,
-                                                          tab.backward_index)))  # fmt: skip
+            pass_T = _Pass(*(jnp.asarray(a)[s] for a in (tab.microbatch, tab.chunk, tab.residual_slot,
+                                                          tab.saved_slot, tab.input_slot, tab.cotangent_slot)))  # fmt: skip
 
             # The sends: to the next (previous) virtual stage, from the stages that made something
             # for it this tick (`Ticks.moves`).
@@ -545,9 +545,9 @@ def _diverged(
             arrives_f_T = jnp.asarray(tab.arrives_forward)[s]
             arrives_b_T = jnp.asarray(tab.arrives_backward)[s]
 
-            def receive(ring, slots, m, x):
-                i = jnp.maximum(m, 0) % slots
-                return put(ring, i, jnp.where(m >= 0, x, get(ring, i)))
+            def receive(ring, slot, x):  # slot: the table's, or -1 when nothing arrives
+                i = jnp.maximum(slot, 0)
+                return put(ring, i, jnp.where(slot >= 0, x, get(ring, i)))
 
             def tick(c, t):
                 p = _Pass(*(a[t] for a in pass_T))
@@ -557,8 +557,8 @@ def _diverged(
                 with jax.named_scope(BACKWARD_SCOPE):
                     from_next = jax.lax.switch(backward_T[t], backward_moves, c["send_b"])
                 c = dict(c)
-                c["inputs"] = receive(c["inputs"], Ki, arrives_f_T[t], from_prev)
-                c["cotangents"] = receive(c["cotangents"], Kc, arrives_b_T[t], from_next)
+                c["inputs"] = receive(c["inputs"], arrives_f_T[t], from_prev)
+                c["cotangents"] = receive(c["cotangents"], arrives_b_T[t], from_next)
                 return c, None
 
             c, _ = jax.lax.scan(tick, carry, jnp.arange(tab.ticks))
