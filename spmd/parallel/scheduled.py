@@ -43,12 +43,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from spmd.core.logical import mesh_replaced
 from spmd.parallel import diverging, split_backward
 
-# The named scopes of the activations' and the gradients' moves between stages.
+# The named scopes of the activations' and the gradients' moves between stages. Each tick a move
+# runs only the pairs of stages the table has sending then: one conditional per direction over the
+# sets of (from, to) pairs the table uses, the same set on every stage, each set's permute in the
+# named scope of its direction's, "_", and its index in `Ticks.moves`.
 FORWARD_SCOPE, BACKWARD_SCOPE = "pipeline_forward", "pipeline_backward"
-# A move between stages runs, each tick, only the pairs of stages its table has sending then: one
-# conditional per direction over the sets of (from, to) pairs the table uses, the same set on every
-# stage, each set's branch in the named scope of its direction's scope, "_", and its index in
-# `Ticks.moves`.
 # The named scope of the head and loss on the microbatch leaving the last virtual stage.
 TAIL_SCOPE = "pipeline_tail"
 # The named scope of each branch a tick's switch may have (the last is the idle one, with nothing
