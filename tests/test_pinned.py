@@ -67,6 +67,11 @@ FSDP_TENSOR = {
     "AuthenticAMD": PINNED["fsdp=2,tensor=2"],
     "GenuineIntel": [*PINNED["fsdp=2,tensor=2"][:7], 5.1792192459106445, *PINNED["fsdp=2,tensor=2"][8:]],
 }
+# An Intel VM whose /proc/cpuinfo lists AMX tiles (model 167, AMX permitted by the kernel,
+# 2026-12-07) gave the AVX-512 machine's bits, on this code and on the code before it: the flags do
+# not say which of the two an Intel CPU takes. An Intel CPU must give one of the two recorded Intel
+# trajectories exactly.
+INTEL_FSDP_TENSOR = (FSDP_TENSOR["GenuineIntel+amx"], FSDP_TENSOR["GenuineIntel"])
 GOLDEN_RULES = pathlib.Path(__file__).parent / "golden" / "rules_resolved.json"
 
 
@@ -104,7 +109,11 @@ def test_tiny_loss_on_fsdp_tensor_is_bit_identical(tiny_cfg, devices):
         pytest.skip(f"no fsdp x tensor trajectory recorded for a {kind} CPU")
     with product_codegen():  # as users' runs compile (conftest)
         losses, _, _ = run_training(tiny_cfg, "fsdp=2,tensor=2", "fsdp_tp", 10, devices=devices[:4])
-    assert [float(x) for x in losses] == FSDP_TENSOR[kind]
+    got = [float(x) for x in losses]
+    if kind.startswith("GenuineIntel"):
+        assert got in INTEL_FSDP_TENSOR, got
+    else:
+        assert got == FSDP_TENSOR[kind]
 
 
 def test_every_preset_resolves_to_its_recorded_table():
