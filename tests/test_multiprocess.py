@@ -381,11 +381,12 @@ def test_two_processes_syncing_across_the_dcn_axis_match_the_slices_simulated_in
     assert_losses_of(tmp_path / "run", setup, 4)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "gpipe"])
 def test_two_processes_with_the_stages_across_them_match_one(tmp_path, schedule):
-    """1F1B and ZB-H1 (whose stages run different passes at once) with --dcn-mesh stage=2 (one
-    stage per process): the activations and gradients cross processes by the schedule's permutes;
-    losses equal GPipe on the same mesh in this process (which equals one device, as they do)."""
+    """1F1B, ZB-H1 and GPipe (scheduled across processes: gloo lets the stages run different
+    passes at once) with --dcn-mesh stage=2 (one stage per process): the activations and gradients
+    cross processes by the schedule's permutes; losses equal GPipe's lockstep loop on the same mesh
+    in this process (which equals one device, as they do)."""
 
     from spmd.assembly.setup import assemble
 
@@ -395,6 +396,8 @@ def test_two_processes_with_the_stages_across_them_match_one(tmp_path, schedule)
                     "--eval-every", "0", "--run-dir", str(tmp_path / "run"))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"pipeline: {schedule} over 2 stages" in result.stdout + result.stderr
+    if schedule == "gpipe":
+        assert "scheduled backward" in result.stdout + result.stderr
     setup = assemble("tiny", "stage=2,fsdp=2,tensor=2", "pp_fsdp_tp",
                      overrides=["pipeline.schedule=gpipe", *sets, "train.steps=3"])  # fmt: skip
     assert_losses_of(tmp_path / "run", setup, 3)

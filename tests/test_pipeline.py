@@ -101,23 +101,31 @@ TABLES = [(2, 2, 1), (2, 5, 1), (3, 3, 1), (4, 4, 1), (4, 8, 1), (4, 32, 1), (8,
           (2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (3, 6, 3), (8, 16, 2)]  # fmt: skip
 
 
-@pytest.mark.parametrize("S,M,R", TABLES, ids=[f"S{s}-M{m}-R{r}" for s, m, r in TABLES])
-@pytest.mark.parametrize("split", [True, False], ids=["zero_bubble", "1f1b"])
-def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_says(S, M, R, split):
+# (mode, S, M, R): every shape for each mode, and fill-and-drain (GPipe, circular) where M is not
+# a multiple of S too
+TABLE_CASES = [(mode, *shape) for mode in ("zero_bubble", "1f1b", "fill") for shape in TABLES] + [
+    ("fill", 4, 5, 2), ("fill", 3, 4, 2)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode,S,M,R", TABLE_CASES, ids=[f"{c}-S{s}-M{m}-R{r}" for c, s, m, r in TABLE_CASES])
+def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_says(mode, S, M, R):
     """diverging.table: zero-bubble (split) in 3 R M + S - 1 ticks, each stage running F, B and W
-    of every microbatch chunk once, idle S - 1 ticks; 1F1B in 2 (R M + S - 1) ticks, F and a whole
-    backward (BW) each, idle 2 (S - 1). Each pass in its stage's order, B after its F and after the
-    next virtual stage's B, W after B, F after the previous virtual stage's F (each in an earlier
-    tick); what arrives is what the neighbour's pass sent; no ring slot holds two values at once."""
+    of every microbatch chunk once, idle S - 1 ticks; 1F1B and fill-and-drain (GPipe, circular) in
+    2 (R M + S - 1) ticks, F and a whole backward (BW) each, idle 2 (S - 1). Each pass in its
+    stage's order, B after its F and after the next virtual stage's B, W after B, F after the
+    previous virtual stage's F (each in an earlier tick); what arrives is what the neighbour's pass
+    sent; no ring slot holds two values at once."""
     from spmd.parallel import diverging as dv
 
-    t = dv.table(S, M, split, R)
+    split, fill = mode == "zero_bubble", mode == "fill"
+    t = dv.table(S, M, split, R, fill)
     F, B, W = dv.FORWARD, dv.INPUT_GRAD, dv.WEIGHT_GRAD
     if split:
         assert t.ticks == 3 * R * M + S - 1 and t.idle() == S - 1 and t.passes == 3
     else:
         assert t.ticks == 2 * (R * M + S - 1) and t.idle() == 2 * (S - 1) and t.passes == 2
-    fo, bo = dv.forward_order(S, M, R), dv.backward_order(S, M, R)
+    fo, bo = dv.forward_order(S, M, R, fill), dv.backward_order(S, M, R, fill)
     assert sorted(fo) == sorted(bo) == [(m, r) for m in range(M) for r in range(R)]
     when = {}
     for s in range(S):
@@ -196,7 +204,13 @@ def test_diverging_tables_run_every_pass_once_in_order_and_idle_what_the_bubble_
         assert length == max(most, 1), ring
     if split:
         assert t.saved_slots <= S  # W's operands: as many as ZB-H1 holds, interleaved or not
-    if R == 1:  # 1F1B's: S in flight on stage 0, whatever M; ZB-H1's at most S + 3
+    if fill:  # every forward of a stage before its first backward: all R M chunks held, as GPipe
+        for s in range(S):
+            assert max(when[F, s, m, r] for m in range(M) for r in range(R)) < min(
+                when[B, s, m, r] for m in range(M) for r in range(R)
+            )
+        assert t.residual_slots == R * M
+    elif R == 1:  # 1F1B's: S in flight on stage 0, whatever M; ZB-H1's at most S + 3
         assert t.residual_slots == (min(S, M) if not split else t.residual_slots) <= S + 3
     else:  # chunk-sized: interleaved 1F1B's warm-up at most 2 R S - 1, interleaved_zb's R S
         assert t.residual_slots <= (R * S if split else 2 * R * S - 1)
@@ -264,7 +278,8 @@ print(json.dumps({"schedule": trainer.plan.schedule.name, "diverge": trainer.pla
 # 1F1B's whole backward where ZB-H1 splits it: through FSDP x tensor, ring attention, the MoE's
 # all-to-all, ZeRO-1 under accumulation and LoRA; interleaved (two chunks per stage, stored
 # permuted): each remat policy, four stages, ring attention, ZeRO-1, LoRA's weight pass computing the
-# adapters' gradients alone. (schedule, case, overrides added to the case's)
+# adapters' gradients alone; GPipe's and circular's fill-and-drain tables. (schedule, case,
+# overrides added to the case's)
 REPEATS = ["pipeline.repeats=2"]
 DIVERGED_CASES = [("zb_h1", case, []) for case in DIVERGED] + [
     ("1f1b", case, []) for case in ("fsdp-tp", "ring", "moe-expert", "zero1", "lora")
@@ -274,6 +289,12 @@ DIVERGED_CASES = [("zb_h1", case, []) for case in DIVERGED] + [
     ("interleaved_1f1b", "ring", REPEATS),
     ("interleaved_1f1b", "zero1", REPEATS),
     ("interleaved_zb", "lora", [*REPEATS, "model.n_layers=4"]),
+] + [  # GPipe and circular, scheduled where gloo lets the stages diverge (pipeline.backward=auto)
+    ("gpipe", "fsdp-tp", []),
+    ("gpipe", "moe-expert", []),
+    ("gpipe", "lora", []),
+    ("circular", "four-stages", [*REPEATS, "model.remat=full"]),
+    ("circular", "ring", REPEATS),
 ]  # fmt: skip
 
 
@@ -306,19 +327,43 @@ def test_stages_that_diverge_train_like_one_device(schedule, case, extra):
     assert r["failing"] == []
 
 
-def test_zb_h1_on_cpu_without_gloo_collectives_says_how_to_run_it(devices):
+@pytest.mark.parametrize(
+    "overrides,named",
+    [(["pipeline.schedule=zb_h1"], "zb_h1"),
+     (["pipeline.backward=scheduled"], "gpipe with pipeline.backward=scheduled")],
+    ids=["zb_h1", "gpipe-scheduled"],
+)  # fmt: skip
+def test_stages_apart_on_cpu_without_gloo_collectives_say_how_to_run_it(devices, overrides, named):
     """XLA:CPU's in-process collectives (this process: no JAX runtime) cannot run stages that reach
     different collectives at once: the first step is refused, naming what works; the step still
     compiles (a dry-run needs nothing)."""
     from spmd.core.errors import UserError
 
     setup = assemble("tiny", "stage=2,fsdp=2", "pp_fsdp", devices=devices[:4],
-                     overrides=["pipeline.schedule=zb_h1", "pipeline.microbatches=2"])  # fmt: skip
+                     overrides=[*overrides, "pipeline.microbatches=2"])  # fmt: skip
     trainer = setup.trainer
     state = trainer.init_state()
-    with pytest.raises(UserError, match="XLA:CPU's in-process collectives cannot: train with spmd-train"):
+    with pytest.raises(UserError, match=f"pipeline.schedule={named} runs different collectives .* XLA:CPU's "
+                                        "in-process collectives cannot: train with spmd-train"):  # fmt: skip
         trainer.train_step(state, setup.batches().train_batch(0))
     assert hasattr(trainer.train_step, "lower")
+
+
+def test_gpipe_runs_its_stages_apart_where_they_may_diverge_and_the_loss_is_the_lm_loss(devices, monkeypatch):
+    """pipeline.backward = auto: GPipe's fill-and-drain table where the stages' collectives may
+    diverge (here made to say so) and the objective is the LM loss; the lockstep loop for a
+    preference objective, for `autodiff`, and where the collectives cannot diverge (this process)."""
+    from spmd.platform import distributed
+
+    def lockstep(backward, objective="lm"):
+        setup = assemble("tiny", "stage=2,data=2", "pp", devices=devices[:4], overrides=[
+            f"pipeline.backward={backward}", f"train.objective={objective}"], optimizer=False)  # fmt: skip
+        return setup.plan.schedule.lockstep
+
+    assert lockstep("auto") and not lockstep("scheduled")
+    monkeypatch.setattr(distributed, "collectives_may_diverge", lambda devices: True)
+    assert not lockstep("auto") and lockstep("auto", "dpo") and lockstep("autodiff")
+    assert not lockstep("scheduled", "dpo")  # refused by the trainer, naming what works
 
 
 def test_circular_layer_order_gives_each_stage_its_round_robin_groups():
@@ -448,16 +493,19 @@ def test_idle_stages_show_in_compiled_flops_and_the_bubble_in_the_estimate(pipel
 
 @pytest.fixture(scope="module")
 def scheduled_dry_runs(devices):
-    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe, 1F1B, ZB-H1 and
+    """Dry-runs of `tiny` (8 layers, remat full) on stage=4,data=2 under GPipe (lockstep here: XLA:CPU
+    in one process), GPipe with its backward scheduled ("gpipe_scheduled"), 1F1B, ZB-H1 and
     interleaved zero-bubble (2 repeats) with M = 8 and 16 microbatches of 8 sequences each, and
     on data=2 without a pipeline ("none") at the same batch."""
     out = {}
-    for name in ("gpipe", "1f1b", "zb_h1", "interleaved_zb"):
-        repeats = ["pipeline.repeats=2"] if name == "interleaved_zb" else []
+    for name in ("gpipe", "gpipe_scheduled", "1f1b", "zb_h1", "interleaved_zb"):
+        more = {"interleaved_zb": ["pipeline.repeats=2"],
+                "gpipe_scheduled": ["pipeline.backward=scheduled"]}.get(name, [])  # fmt: skip
         for m in (8, 16):
             setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
                 *DEEP, "model.remat=full", "train.seq_len=32", f"train.global_batch_size={8 * m}",
-                f"pipeline.schedule={name}", f"pipeline.microbatches={m}", *repeats])  # fmt: skip
+                f"pipeline.schedule={name.removesuffix('_scheduled')}", f"pipeline.microbatches={m}",
+                *more])  # fmt: skip
             out[name, m] = dry_run(setup)
     for m in (8, 16):  # without a pipeline, on the data axis alone
         setup = assemble("tiny", "data=2", "fsdp", devices=devices[:2], overrides=[
@@ -551,6 +599,29 @@ def test_zb_h1_idles_a_third_of_what_1f1b_idles_and_neither_computes_an_idle_slo
         assert 0 < pp["other_stage_bytes"] == one["pipeline"]["other_stage_bytes"]
 
 
+def test_gpipe_scheduled_computes_no_idle_slot_and_holds_every_microbatch(scheduled_dry_runs):
+    """GPipe with its backward scheduled (the fill-and-drain table): 1F1B's ticks and bubble, the
+    unpipelined step's FLOPs where the lockstep loop computes its idle slots (1 / (1 - bubble)),
+    and GPipe's memory: every microbatch's residuals held at the end of the forwards."""
+    S = 4
+    one_microbatch = 8 // 2 * 32 * 64 * 4  # rows per device x T x D x fp32
+    temp = {k: r["per_device_bytes"]["temporaries"] for k, r in scheduled_dry_runs.items()}
+    for m in (8, 16):
+        run, lockstep = scheduled_dry_runs["gpipe_scheduled", m], scheduled_dry_runs["gpipe", m]
+        pp, analytic = run["pipeline"], (S - 1) / (m + S - 1)
+        assert pp["backward"] == "scheduled" and lockstep["pipeline"]["backward"] == "lockstep"
+        assert pp["ticks_counted"] == {"forward": 2 * (m + S - 1), "backward": 2 * (m + S - 1)}
+        assert pp["bubble_fraction"] == analytic and pp["bubble_counted"] == pytest.approx(analytic)
+        assert pp["in_flight"] == m
+        unpiped = scheduled_dry_runs["none", m]["compiled_matmul_flops_per_device"] / 4
+        assert run["compiled_matmul_flops_per_device"] == pytest.approx(unpiped, rel=1e-3)
+        assert run["compiled_matmul_flops_per_device"] <= unpiped * (1 + pp["bubble_counted"])
+        assert lockstep["compiled_matmul_flops_per_device"] == pytest.approx(
+            unpiped / (1 - analytic), rel=0.05
+        )
+    assert temp["gpipe_scheduled", 16] - temp["gpipe_scheduled", 8] > 8 * one_microbatch
+
+
 def test_interleaved_zb_idles_a_sixth_of_what_1f1b_idles_and_computes_no_idle_slot(scheduled_dry_runs):
     """Two chunks per stage, one chunk's pass (F, B or W) per stage and tick: 3 R M + S - 1 ticks
     (counted in the compiled step), S - 1 of them idle, each a chunk's pass: idle time a third of
@@ -574,20 +645,24 @@ def test_interleaved_zb_idles_a_sixth_of_what_1f1b_idles_and_computes_no_idle_sl
 
 def test_interleaved_1f1b_computes_the_unpipelined_work_where_circular_computes_its_bubble(devices):
     """Interleaved 1F1B's idle ticks run the empty branch: the unpipelined step's FLOPs (the
-    branches counted at their shares of the table's ticks), within 1 + its bubble; circular, the
-    same chunks in one lockstep program, computes its idle slots."""
-    flops, bubble = {}, {}
+    branches counted at their shares of the table's ticks), within 1 + its bubble; so does
+    circular with its backward scheduled (its fill-and-drain table over the same chunks), where
+    its lockstep program computes its idle slots."""
+    flops, pp = {}, {}
     common = [*DEEP, "train.seq_len=32", "train.global_batch_size=32"]
-    for name in ("circular", "interleaved_1f1b"):
+    for name, backward in (("circular", "autodiff"), ("circular", "scheduled"), ("interleaved_1f1b", "auto")):
         setup = assemble("tiny", "stage=4,data=2", "pp", devices=devices, overrides=[
-            *common, f"pipeline.schedule={name}", "pipeline.repeats=2", "pipeline.microbatches=4"])  # fmt: skip
+            *common, f"pipeline.schedule={name}", "pipeline.repeats=2", "pipeline.microbatches=4",
+            f"pipeline.backward={backward}"])  # fmt: skip
         r = dry_run(setup)
-        flops[name], bubble[name] = r["compiled_matmul_flops_per_device"], r["pipeline"]["bubble_counted"]
+        flops[backward], pp[backward] = r["compiled_matmul_flops_per_device"], r["pipeline"]
+    assert all(pp[k]["bubble_counted"] == pytest.approx(3 / 11) for k in pp)
+    assert pp["scheduled"]["backward"] == "scheduled" and pp["autodiff"]["backward"] == "lockstep"
     unpiped = dry_run(assemble("tiny", "data=8", "fsdp", devices=devices, overrides=common))
     unpiped = unpiped["compiled_matmul_flops_per_device"]
-    assert bubble["interleaved_1f1b"] == pytest.approx(bubble["circular"]) == pytest.approx(3 / 11)
-    assert flops["interleaved_1f1b"] == pytest.approx(unpiped, rel=1e-3)
-    assert flops["circular"] > unpiped * (1 + bubble["circular"])
+    assert flops["auto"] == pytest.approx(unpiped, rel=1e-3)
+    assert flops["scheduled"] == pytest.approx(unpiped, rel=1e-3)
+    assert flops["autodiff"] > unpiped * (1 + 3 / 11)
 
 
 @pytest.mark.parametrize(
@@ -613,6 +688,15 @@ def test_interleaved_1f1b_computes_the_unpipelined_work_where_circular_computes_
         ),  # fmt: skip
         (["pipeline.schedule=1f1b", "pipeline.microbatches=2"], "must be at least the number of stages"),
         (["pipeline.schedule=1f1b", "train.objective=dpo"], "needs pipeline.schedule = gpipe or circular"),
+        (
+            ["pipeline.backward=scheduled", "train.objective=dpo"],
+            "gpipe with pipeline.backward = scheduled runs the language-model loss inside .* = auto or autodiff",
+        ),
+        (
+            ["pipeline.schedule=zb_h1", "pipeline.backward=autodiff"],
+            "pipeline.backward = autodiff needs pipeline.schedule = gpipe or circular",
+        ),
+        (["pipeline.backward=later"], "pipeline.backward must be one of auto, scheduled, autodiff"),
     ],
 )
 def test_schedules_that_cannot_apply_say_what_works(devices, overrides, message):
@@ -655,18 +739,21 @@ def test_planner_searches_stage_and_decoding_runs_without_a_pipeline(devices):
 
 
 def test_pipeline_compiles_for_tpu_with_stages_across_slices():
-    """The TPU compiler: one collective-permute per iteration each way over `stage` (its bytes
-    parsed from collective-permute-start), and `--dcn-mesh stage=2` over two slices puts each
-    stage on one slice."""
+    """The TPU compiler: GPipe's lockstep loop sends one collective-permute per iteration each
+    way over `stage` (its bytes parsed from collective-permute-start); on TPU `auto` schedules
+    GPipe's backward, whose moves run only in the ticks a stage sends (stage 0's two forwards,
+    stage 1's two backwards); `--dcn-mesh stage=2` over two slices puts each stage on one slice."""
     from spmd.analysis import topology
 
-    setup = assemble("tiny", "stage=2,fsdp=2", "pp_fsdp", overrides=[*DEEP, "pipeline.microbatches=2"],
-                     devices=topology.devices("v5e:2x2"))  # fmt: skip
-    r = dry_run(setup)
-    assert r["platform"] == "tpu"
     b = 8 // 2 // 2  # rows per microbatch on one device (batch 8 over fsdp=2, M = 2)
-    assert r["pipeline"]["collective_permute_bytes"] == 2 * 3 * b * 64 * 64 * 4
-    assert r["compiled_matmul_flops_per_device"] is None  # convolutions: not modelled
+    for backward, moves in (("autodiff", 2 * 3), ("auto", 2 + 2)):
+        setup = assemble("tiny", "stage=2,fsdp=2", "pp_fsdp", devices=topology.devices("v5e:2x2"), overrides=[
+            *DEEP, "pipeline.microbatches=2", f"pipeline.backward={backward}"])  # fmt: skip
+        assert setup.plan.schedule.lockstep == (backward == "autodiff")
+        r = dry_run(setup)
+        assert r["platform"] == "tpu"
+        assert r["pipeline"]["collective_permute_bytes"] == moves * b * 64 * 64 * 4
+        assert r["compiled_matmul_flops_per_device"] is None  # convolutions: not modelled
     devices = topology.devices("v5e:2x2", num_slices=2)
     s = assemble("tiny", "fsdp=4", "pp_fsdp", overrides=[*DEEP, "pipeline.microbatches=2"], devices=devices,
                  dcn_mesh="stage=2")  # fmt: skip

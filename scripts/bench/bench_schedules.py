@@ -6,7 +6,7 @@ step time.
     python scripts/bench/bench_schedules.py flops      # tiny on 8 fake CPU devices, XLA:CPU
     python scripts/bench/bench_schedules.py time [--rounds 3 --steps 4]
 
-`tpu`: the TPU compiler's step (libtpu through jax.experimental.topologies) for gpipe, 1f1b,
+`tpu`: the TPU compiler's step (libtpu through jax.experimental.topologies) for gpipe (both ways), 1f1b,
 interleaved_1f1b (repeats 2), zb_h1 and interleaved_zb (repeats 2; `--set pipeline.repeats=R` for another) at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
 microbatch, so the global batch is M x rows): per-chip peak and temporaries, the bubble analytic
 and counted, microbatch chunks in flight, and bytes sent over `stage`. Memory flat in M is the
@@ -19,9 +19,13 @@ compiled matmul FLOPs are parsed (the TPU compiler writes matmuls as convolution
 against data=8 without a pipeline at the same global batch: each schedule's FLOPs over the
 unpipelined step's, beside 1 + its counted bubble.
 
-`time`: CPU step time of each schedule beside GPipe at the same M, in alternating rounds (A B A B),
-the median ratio quoted; in one process with JAX's runtime started, whose gloo collectives the
-scheduled pipelines' diverging stages need (all schedules then run on them).
+`time`: CPU step time of each schedule beside GPipe's lockstep loop at the same M, in alternating
+rounds (A B A B), the median ratio quoted; in one process with JAX's runtime started, whose gloo
+collectives the scheduled pipelines' diverging stages need (all schedules then run on them).
+
+Rows: `gpipe_lockstep` is GPipe's lockstep loop (`pipeline.backward=autodiff`), `gpipe` GPipe with
+its backward scheduled (`pipeline.backward=scheduled`, what `auto` picks on an accelerator);
+`circular_lockstep` and `circular` likewise, with 2 repeats.
 """
 
 import argparse
@@ -30,8 +34,18 @@ import statistics
 import sys
 import time
 
-SCHEDULES = (("gpipe", []), ("1f1b", []), ("interleaved_1f1b", ["pipeline.repeats=2"]), ("zb_h1", []),
-             ("interleaved_zb", ["pipeline.repeats=2"]))  # fmt: skip
+# (label, overrides): GPipe and circular both ways (the lockstep loop with autodiff's backward;
+# the stages apart, the backward scheduled), then the schedules that always schedule theirs
+SCHEDULES = (
+    ("gpipe_lockstep", ["pipeline.schedule=gpipe", "pipeline.backward=autodiff"]),
+    ("gpipe", ["pipeline.schedule=gpipe", "pipeline.backward=scheduled"]),
+    ("circular_lockstep", ["pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.backward=autodiff"]),
+    ("circular", ["pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.backward=scheduled"]),
+    ("1f1b", ["pipeline.schedule=1f1b"]),
+    ("interleaved_1f1b", ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]),
+    ("zb_h1", ["pipeline.schedule=zb_h1"]),
+    ("interleaved_zb", ["pipeline.schedule=interleaved_zb", "pipeline.repeats=2"]),
+)
 
 
 def _setup(devices_n: int) -> None:
@@ -58,7 +72,7 @@ def tpu(args) -> None:
         if args.schedules and name not in args.schedules:
             continue
         for m in args.microbatches:
-            overrides = [f"pipeline.schedule={name}", f"pipeline.microbatches={m}", *extra,
+            overrides = [f"pipeline.microbatches={m}", *extra,
                          f"train.global_batch_size={m * args.rows}", f"model.remat={args.remat}", *args.set]  # fmt: skip
             setup = assemble(args.config, args.mesh, args.rules, overrides=overrides, devices=devices)
             try:
@@ -97,7 +111,7 @@ def flops(args) -> None:
         for name, extra in SCHEDULES:
             if args.schedules and name not in args.schedules:
                 continue
-            overrides = [*base, *batch, f"pipeline.schedule={name}", f"pipeline.microbatches={m}", *extra]
+            overrides = [*base, *batch, f"pipeline.microbatches={m}", *extra]
             r = dry_run(assemble("tiny", "stage=4,data=2", "pp", overrides=overrides, devices=devices))
             b = r["pipeline"]["bubble_counted"]
             print(f"| {name} | {m} | {r['compiled_matmul_flops_per_device'] / f0:.4f} | {1 + b:.4f} | {b:.1%} |",
@@ -116,8 +130,10 @@ def step_time(args) -> None:
     devices = jax.devices()
     runs = []
     for name, extra in SCHEDULES:
+        if args.schedules and name not in args.schedules:
+            continue
         overrides = ["model.n_layers=8", "train.global_batch_size=64", "train.seq_len=64",
-                     f"pipeline.schedule={name}", f"pipeline.microbatches={args.m}", *extra]  # fmt: skip
+                     f"pipeline.microbatches={args.m}", *extra]  # fmt: skip
         setup = assemble("tiny", "stage=4,data=2", "pp", overrides=overrides, devices=devices)
         trainer = setup.trainer
         state = trainer.init_state()
@@ -137,7 +153,7 @@ def step_time(args) -> None:
     base = runs[0][4]
     print(f"tiny (8 layers), stage=4,data=2, M={args.m}, 8 fake CPU devices; {args.rounds} rounds x "
           f"{args.steps} steps, alternating")  # fmt: skip
-    print("| schedule | median step | median ratio to gpipe |")
+    print(f"| schedule | median step | median ratio to {runs[0][0]} |")
     print("|---|---:|---:|")
     for name, _, _, _, times in runs:
         ratio = statistics.median(t / b for t, b in zip(times, base, strict=True))
@@ -164,6 +180,7 @@ def main() -> None:
     s.add_argument("--m", type=int, default=8)
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--steps", type=int, default=4)
+    s.add_argument("--schedules", nargs="*", default=[], help="labels to time; the first is the base")
     args = p.parse_args()
     {"tpu": tpu, "flops": flops, "time": step_time}[args.mode](args)
 

@@ -91,6 +91,9 @@ def pipeline_report(plan, rows, items) -> dict | None:
     )
     return {
         "schedule": schedule.name,
+        # the stages apart, each tick's pass scheduled (an idle tick computes nothing), or
+        # GPipe's and circular's lockstep loop with autodiff's backward
+        "backward": "scheduled" if schedule.scheduled else "lockstep",
         "stages": schedule.stages,
         "microbatches": schedule.microbatches,
         "repeats": schedule.repeats,

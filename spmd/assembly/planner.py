@@ -322,9 +322,11 @@ def schedule_offers(setup) -> list[tuple[list[str], str]]:
     interleaved zero-bubble where it repeats) with as many microbatches as the batch allows up to 8
     per stage, (overrides, why); they hold at most 2 R S - 1 microbatch chunks' activations whatever
     M, so a larger M costs no memory and shrinks the bubble. Empty without a pipeline or where the
-    schedule is already scheduled."""
+    schedule is one of those already."""
+    from spmd.parallel.pipeline import SCHEDULED
+
     schedule, cfg = setup.plan.schedule, setup.cfg
-    if schedule is None or schedule.scheduled:
+    if schedule is None or schedule.name in SCHEDULED:
         return []
     S, R = schedule.stages, schedule.repeats
     rows = cfg.train.global_batch_size // cfg.train.microbatches

@@ -184,6 +184,7 @@ def assemble(
         cfg.train.microbatches,
         cfg.pipeline,
         lowering=choices.lowering,
+        objective=cfg.train.objective,
     )
     for t in transforms:
         t.check(plan)

@@ -127,7 +127,8 @@ def print_report(r: dict) -> None:
     pp = r.get("pipeline")
     if pp:
         print(
-            f"pipeline: {pp['schedule']}, {pp['stages']} stages x {pp['microbatches']} microbatches"
+            f"pipeline: {pp['schedule']} ({pp['backward']} backward), {pp['stages']} stages x "
+            f"{pp['microbatches']} microbatches"
             + (f" x {pp['repeats']} repeats" if pp["repeats"] > 1 else "")
             + f": {pp['iterations']} iterations, bubble {pp['bubble_fraction']:.1%} = {pp['bubble_formula']}"
             + (

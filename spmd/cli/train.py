@@ -131,9 +131,10 @@ def run(args, may_relaunch: bool = False) -> int:
 
     cfg = before_jax_starts(args.config or "small", overrides, may_relaunch=may_relaunch)
     # A scheduled pipeline's stages run different passes, and so different collectives, at once.
-    distributed.initialize_from_flags(
-        args, diverging_collectives=cfg is not None and cfg.pipeline.schedule in SCHEDULED
+    diverging = cfg is not None and (
+        cfg.pipeline.schedule in SCHEDULED or cfg.pipeline.backward == "scheduled"
     )
+    distributed.initialize_from_flags(args, diverging_collectives=diverging)
     import jax
 
     from spmd import run as run_lib

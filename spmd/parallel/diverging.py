@@ -34,6 +34,13 @@ the tick it is made to the tick it is last read, the first free one in the order
 (interval colouring, which needs no more slots than are ever held at once), and a ring's length
 is the most any stage uses.
 
+GPipe and circular (`fill`): each stage runs all its forwards, then all its backwards (whole),
+each as soon as its input has arrived — the fill-and-drain order of their lockstep forward loop,
+microbatch by microbatch through chunk 0, then chunk 1, ... (`forward_order`), which needs only
+M >= S — in 2 (R M + S - 1) ticks, 2 (S - 1) idle like 1F1B's, but holding the residuals of all
+R M chunks at the end of the forwards, as autodiff of that loop does. What the table gains over
+the lockstep loop is that an idle tick computes nothing.
+
 Sends: what a stage's F makes reaches the next virtual stage, and what its B makes the previous
 one, in the following tick, into the slot the table names (`arrives_forward`,
 `arrives_backward`).
@@ -87,8 +94,11 @@ class Table:
         return int((self.kind == IDLE).sum(axis=1).max())
 
 
-def forward_order(S: int, M: int, R: int) -> list[tuple[int, int]]:
-    """(microbatch, chunk) of each stage's k-th forward."""
+def forward_order(S: int, M: int, R: int, fill: bool = False) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of each stage's k-th forward: with `fill` every microbatch through chunk
+    0, then chunk 1, ..."""
+    if fill:
+        return [(k % M, k // M) for k in range(R * M)]
     out = []
     for k in range(R * M):
         g, within = divmod(k, S * R)
@@ -97,9 +107,9 @@ def forward_order(S: int, M: int, R: int) -> list[tuple[int, int]]:
     return out
 
 
-def backward_order(S: int, M: int, R: int) -> list[tuple[int, int]]:
+def backward_order(S: int, M: int, R: int, fill: bool = False) -> list[tuple[int, int]]:
     """(microbatch, chunk) of each stage's k-th backward (and weight pass)."""
-    return [(m, R - 1 - r) for m, r in forward_order(S, M, R)]
+    return [(m, R - 1 - r) for m, r in forward_order(S, M, R, fill)]
 
 
 class _Run:
@@ -127,14 +137,17 @@ class _Run:
         return self.before(INPUT_GRAD, (s + 1) % self.S, m, r + (s == self.S - 1), t)
 
 
-def _whole(S: int, M: int, R: int):
-    """1F1B's (R = 1) and interleaved 1F1B's ticks: each stage's fixed sequence, each pass as soon
-    as it can run."""
-    fo, bo = forward_order(S, M, R), backward_order(S, M, R)
+def _whole(S: int, M: int, R: int, fill: bool = False):
+    """1F1B's (R = 1) and interleaved 1F1B's ticks, or with `fill` GPipe's and circular's: each
+    stage's fixed sequence, each pass as soon as it can run."""
+    fo, bo = forward_order(S, M, R, fill), backward_order(S, M, R, fill)
     run, n = _Run(S, M, R), R * M
     sequences = []
     for s in range(S):
-        warm = min((S - s - 1) * 2 + (R - 1) * S if R > 1 else S - s - 1, n)
+        if fill:
+            warm = n
+        else:
+            warm = min((S - s - 1) * 2 + (R - 1) * S if R > 1 else S - s - 1, n)
         seq = [(FORWARD, k) for k in range(warm)]
         f, b = warm, 0
         while f < n:
@@ -159,7 +172,8 @@ def _whole(S: int, M: int, R: int):
             at[s] += 1
         t += 1
         if t > 4 * (2 * n + S):  # a sequence waiting on a pass that never runs
-            raise ValueError(f"no 1F1B table for {S} stages, {R} chunks, {M} microbatches")
+            name = "fill-and-drain" if fill else "1F1B"
+            raise ValueError(f"no {name} table for {S} stages, {R} chunks, {M} microbatches")
     return run.done, t
 
 
@@ -207,10 +221,13 @@ def _slots(held: list[tuple[tuple[int, int], int, int]]) -> dict[tuple[int, int]
 
 
 @functools.lru_cache(maxsize=64)
-def table(S: int, M: int, split: bool = True, R: int = 1) -> Table:
-    """The table for S stages, R chunks each and M >= S microbatches (a multiple of S when R > 1):
-    zero-bubble (`split`) in 3 R M + S - 1 ticks, else 1F1B in 2 (R M + S - 1)."""
+def table(S: int, M: int, split: bool = True, R: int = 1, fill: bool = False) -> Table:
+    """The table for S stages, R chunks each and M >= S microbatches (a multiple of S when R > 1,
+    unless `fill`): zero-bubble (`split`) in 3 R M + S - 1 ticks, else 1F1B, or with `fill`
+    GPipe / circular, in 2 (R M + S - 1)."""
     n = R * M
+    if split and fill:
+        raise ValueError("a fill-and-drain table runs whole backwards: split must be False")
     if split:
         target = 3 * n + S - 1
         tries = ((cap, wlimit) for cap in range(S, 2 * R * S + 3) for wlimit in range(1, R * S + 3))
@@ -220,9 +237,9 @@ def table(S: int, M: int, split: bool = True, R: int = 1) -> Table:
                 f"no zero-bubble table of {target} ticks for {S} stages, {R} chunks, {M} microbatches"
             )
     else:
-        found = _whole(S, M, R)
+        found = _whole(S, M, R, fill)
     done, T = found
-    fo, bo = forward_order(S, M, R), backward_order(S, M, R)
+    fo, bo = forward_order(S, M, R, fill), backward_order(S, M, R, fill)
     f_index = {mr: k for k, mr in enumerate(fo)}
     b_index = {mr: k for k, mr in enumerate(bo)}
     kind = np.full((S, T), IDLE, np.int32)

@@ -12,6 +12,15 @@ same schedule backwards (the transpose of a collective-permute is the reverse pe
 the model's remat policy inside each stage. (The scheduled pipelines run their stages apart
 instead, in a region manual over `stage` whose layers see the same rules: scheduled.py.)
 
+That lockstep loop computes every stage in every iteration, the idle ones on zeros: its FLOPs are
+the model's / (1 - bubble). Where the stages' collectives may run apart (accelerators; XLA:CPU
+with the gloo collectives) and the objective is the language-model loss, GPipe and circular run
+in scheduled.py too by default (`pipeline.backward = auto`): each stage all its forwards, then all
+its backwards, an idle tick computing nothing (diverging.py's fill-and-drain tables). The lockstep
+loop stays for the rest: preference objectives, whose loss pairs sequences outside the pipeline,
+and XLA:CPU in one process without gloo, whose collectives must be reached by every device alike.
+It is also the pipeline's forward when there is no backward (evaluation).
+
 Schedule (S stages, M microbatches, R repeats; M >= S): microbatch m visits virtual stage
 v = r*S + s (canonical layer groups v*Gps ... v*Gps + Gps - 1) at iteration r*M + m + s, so the
 pipeline runs M*R + S - 1 iterations of which each stage idles S - 1: the bubble fraction is
@@ -45,6 +54,7 @@ from spmd.core.logical import active, rules_replaced
 from spmd.core.mesh import axes_size, spec_axes
 from spmd.parallel import scheduled
 from spmd.parallel.strategy import Attribution, Strategy, rule, squeeze
+from spmd.platform import distributed
 
 STAGE_AXIS = "stage"
 
@@ -57,6 +67,8 @@ SCHEDULED = ("1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 SPLIT = ("zb_h1", "interleaved_zb")
 WITH_REPEATS = ("circular", "interleaved_1f1b", "interleaved_zb")
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
+# pipeline.backward: how GPipe and circular get theirs (module doc)
+BACKWARDS = ("auto", "scheduled", "autodiff")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +85,11 @@ class PipelineConfig:
     # reduce their gradients once after it) instead of in every pipeline iteration. Fewer bytes
     # sent; the stage's weights and their gradient sums are held unsharded over fsdp meanwhile.
     gather_once: bool = False
+    # gpipe, circular: "scheduled" (each stage its forwards, then its backwards, an idle tick
+    # computing nothing; needs stages whose collectives may diverge and the lm objective),
+    # "autodiff" (the lockstep loop: every stage computes every iteration), "auto" (scheduled
+    # where it can run). The other schedules always schedule theirs.
+    backward: str = "auto"
 
     def check(self) -> list[str]:
         problems = []
@@ -95,6 +112,13 @@ class PipelineConfig:
                 f"pipeline.schedule = {self.schedule} needs pipeline.repeats >= 2 (with one chunk per "
                 f"stage it is {one})"
             )
+        if self.backward not in BACKWARDS:
+            problems.append(f"pipeline.backward must be one of {', '.join(BACKWARDS)}, got {self.backward!r}")
+        elif self.backward == "autodiff" and self.schedule in SCHEDULED:
+            problems.append(
+                f"pipeline.backward = autodiff needs pipeline.schedule = gpipe or circular "
+                f"({self.schedule} schedules its backward); use pipeline.backward = auto"
+            )
         return problems
 
 
@@ -109,6 +133,9 @@ class Schedule:
     axes: tuple[str, ...] = (STAGE_AXIS,)
     gather_once: bool = False  # FSDP: weights gathered once per step, not per iteration
     kind: str = ""  # the configured schedule; "" reads as gpipe or circular from `repeats`
+    # GPipe, circular: the lockstep loop and autodiff's backward, or (False) scheduled.py's
+    # fill-and-drain table (`pipeline.backward`)
+    lockstep: bool = True
 
     @property
     def name(self) -> str:
@@ -117,12 +144,13 @@ class Schedule:
     @property
     def scheduled(self) -> bool:
         """Whether the backward runs inside the schedule (spmd/parallel/scheduled.py)."""
-        return self.name in SCHEDULED
+        return self.name in SCHEDULED or not self.lockstep
 
     @property
     def ticks(self) -> "scheduled.Ticks":
         """The tick plan of a scheduled backward."""
-        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.split)
+        fill = self.name not in SCHEDULED
+        return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.split, fill=fill)
 
     @property
     def split(self) -> bool:
@@ -136,6 +164,11 @@ class Schedule:
         every stage)."""
         if self.scheduled:
             return self.ticks.total
+        return self.forward_iterations
+
+    @property
+    def forward_iterations(self) -> int:
+        """Iterations of the lockstep forward loop (`run`): M R + S - 1."""
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
@@ -167,6 +200,8 @@ class Schedule:
 
     def describe(self) -> str:
         r = f", {self.repeats} repeats" if self.repeats > 1 else ""
+        if self.name not in SCHEDULED:
+            r += ", lockstep" if self.lockstep else ", scheduled backward"
         return (
             f"{self.name} over {self.stages} stages, {self.microbatches} microbatches{r}: "
             f"bubble {self.bubble_fraction:.1%} ({self.bubble_formula}), {self.in_flight} microbatch "
@@ -175,11 +210,12 @@ class Schedule:
 
 
 def schedule_for(
-    pcfg: PipelineConfig | None, mesh, rules, groups: int, batch: int, n_layers: int
+    pcfg: PipelineConfig | None, mesh, rules, groups: int, batch: int, n_layers: int, objective: str = "lm"
 ) -> Schedule | None:
     """The run's schedule from `pcfg` ([pipeline]), or None when the mesh has no pipeline
     (`layers` split over nothing of size > 1). `groups`: the layer groups the model scans over;
-    `batch`: sequences per (gradient-accumulation) microbatch. Bad combinations raise UserError."""
+    `batch`: sequences per (gradient-accumulation) microbatch; `objective`: train.objective.
+    Bad combinations raise UserError."""
     layer_axes = tuple(rules.mapping.get("layers", ()))
     stage_size = mesh.shape.get(STAGE_AXIS, 1)
     split = tuple(a for a in layer_axes if mesh.shape[a] > 1)
@@ -223,7 +259,12 @@ def schedule_for(
             f"pipeline.schedule = {pcfg.schedule} runs microbatches in groups of the {S} stages: "
             f"pipeline.microbatches ({M}) must be a multiple of {S}"
         )
-    return Schedule(S, M, R, split, pcfg.gather_once, pcfg.schedule)
+    lockstep = pcfg.schedule not in SCHEDULED and (
+        pcfg.backward == "autodiff"
+        or pcfg.backward == "auto"
+        and not (objective == "lm" and distributed.collectives_may_diverge(list(mesh.devices.flat)))
+    )
+    return Schedule(S, M, R, split, pcfg.gather_once, pcfg.schedule, lockstep)
 
 
 def layer_order(groups: int, schedule: Schedule | None) -> np.ndarray | None:
@@ -386,7 +427,7 @@ def run(layers_fn, x_BTD, xs, side, *, x_axes, xs_axes=None, combine_stats=None,
         return (state_SbTD, buf_SMbTD, stats_acc), None
 
     (_, buf_SMbTD, stats_acc), _ = jax.lax.scan(
-        iteration, (state_SbTD, buf_SMbTD, stats_acc), jnp.arange(schedule.iterations)
+        iteration, (state_SbTD, buf_SMbTD, stats_acc), jnp.arange(schedule.forward_iterations)
     )
     out_BTD = buf_SMbTD[0].swapaxes(0, 1).reshape(B, T, D)
     out_BTD = constrain(out_BTD, rules.spec(x_axes))  # each stage keeps its rows of the output

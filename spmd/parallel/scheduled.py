@@ -1,14 +1,16 @@
-"""The pipeline's scheduled backward: 1F1B, interleaved 1F1B, ZB-H1 and interleaved zero-bubble
-as one program over `stage` whose stages diverge.
+"""The pipeline's scheduled backward: 1F1B, interleaved 1F1B, ZB-H1, interleaved zero-bubble, and
+GPipe and circular with `pipeline.backward = scheduled`, as one program over `stage` whose stages
+diverge.
 
-GPipe and circular (spmd/parallel/pipeline.py) get their backward from autodiff of the forward
-loop, so the backward starts after the last microbatch's forward and each stage keeps what its
-remat policy saves for every microbatch. Here the loss is part of the schedule: the output head
-and the loss run on each microbatch as it leaves the last stage, and each stage runs the forwards
-and backwards of the microbatches in front of it tick by tick (a per-stage `jax.vjp`, its residuals
-kept in a ring of slots until that microbatch's backward comes round), so a stage holds a fixed
-number of microbatch chunks whatever M is; residuals computed from the weights alone are
-recomputed in the backward instead (`weight_only`). Stage 0 embeds each microbatch as it enters
+GPipe's and circular's lockstep loop (spmd/parallel/pipeline.py) gets its backward from autodiff
+of the forward loop, so the backward starts after the last microbatch's forward, each stage keeps
+what its remat policy saves for every microbatch, and every stage computes in every iteration.
+Here the loss is part of the schedule: the output head and the loss run on each microbatch as it
+leaves the last stage, and each stage runs the forwards and backwards of the microbatches in front
+of it tick by tick (a per-stage `jax.vjp`, its residuals kept in a ring of slots until that
+microbatch's backward comes round), so a stage holds what its table keeps in flight (a fixed
+number of microbatch chunks whatever M is, but for GPipe's and circular's fill-and-drain, R M);
+residuals computed from the weights alone are recomputed in the backward instead (`weight_only`). Stage 0 embeds each microbatch as it enters
 and adds its embedding's gradient as its backward leaves, so nothing the size of the whole batch
 is held either.
 
@@ -80,10 +82,12 @@ class Ticks:
     # Zero-bubble (ZB-H1 with R = 1, interleaved with R > 1): each backward split into the input's
     # gradient (B) and the weights' (W), which fills ticks that would idle.
     split: bool = False
+    # GPipe and circular: all forwards, then all backwards (whole).
+    fill: bool = False
 
     @property
     def table(self) -> "diverging.Table":
-        return diverging.table(self.stages, self.microbatches, self.split, self.repeats)
+        return diverging.table(self.stages, self.microbatches, self.split, self.repeats, self.fill)
 
     @property
     def total(self) -> int:

@@ -209,11 +209,12 @@ def plan(
     microbatches: int = 1,
     pipeline_cfg=None,
     lowering: Lowering | None = None,
+    objective: str = "lm",
 ) -> ShardingPlan:
     """Validate the rules against the model (of `family`, spmd.core.family) and mesh, and resolve every
     sharding. `pipeline_cfg` (spmd.parallel.pipeline.PipelineConfig) is the schedule when the rules split
-    `layers` over `stage`. `rules` may leave out the logical names the family adds (they take
-    their default mapping)."""
+    `layers` over `stage`; `objective` (train.objective) has a say in how GPipe's backward runs.
+    `rules` may leave out the logical names the family adds (they take their default mapping)."""
     rules = rules.with_defaults(family.logical_axes)
     graphdef, abstract = abstract_model(family.model_cls, model_cfg)
     sizes = mesh.shape
@@ -230,7 +231,7 @@ def plan(
         raise UserError(problems[0])
     layered = {p: shapes[p][0] for p in specs if specs[p] and specs[p][0] == "layers"}
     groups = layer_groups(layered)
-    schedule = pipeline.schedule_for(pipeline_cfg, mesh, rules, groups, micro, figures.n_layers)
+    schedule = pipeline.schedule_for(pipeline_cfg, mesh, rules, groups, micro, figures.n_layers, objective)
     rules_lib.validate(rules, {**specs, **act_specs}, sizes, {**shapes, **act_shapes})
     # The KV cache exists only when decoding, which runs under the decoding rules (no pipeline).
     rules_lib.validate(rules.for_decoding(), family.cache_axes(model_cfg, False), sizes)

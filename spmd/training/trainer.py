@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.core.errors import UserError
 from spmd.core.family import Tail
-from spmd.parallel import context, dataparallel, memory
+from spmd.parallel import context, dataparallel, memory, pipeline
 from spmd.parallel import sharding as sharding_lib
 from spmd.parallel import slices as slices_lib
 from spmd.platform import cpu_matmul, distributed
@@ -201,7 +201,7 @@ class _DivergingStep:
                     f"once, which XLA:CPU's in-process collectives cannot: train with spmd-train (it starts "
                     f"JAX's runtime, and with it gloo collectives), or call jax.distributed.initialize("
                     f"'127.0.0.1:PORT', num_processes=1, process_id=0) before JAX starts; "
-                    f"pipeline.schedule=gpipe or circular run without it"
+                    f"pipeline.schedule=gpipe or circular with pipeline.backward=auto or autodiff run without it"
                 )
             self.checked = True
         return self.step(*args, **kwargs)
@@ -513,9 +513,13 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     # A scheduled pipeline runs the loss inside its schedule (spmd/parallel/scheduled.py)
     in_schedule = plan.schedule is not None and plan.schedule.scheduled
     if in_schedule and objective != "lm":
+        name = plan.schedule.name
+        if name not in pipeline.SCHEDULED:
+            name += " with pipeline.backward = scheduled"
         raise UserError(
-            f"pipeline.schedule = {plan.schedule.name} runs the language-model loss inside its schedule; "
-            f"train.objective = {objective} needs pipeline.schedule = gpipe or circular"
+            f"pipeline.schedule = {name} runs the language-model loss inside its schedule; "
+            f"train.objective = {objective} needs pipeline.schedule = gpipe or circular with "
+            f"pipeline.backward = auto or autodiff (the lockstep loop)"
         )
 
     def losses_of(params, batch, frozen=None, key=None, reference=None):
@@ -591,7 +595,10 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     def runnable(step):
         if plan.schedule is None or not plan.schedule.scheduled:
             return step
-        return _DivergingStep(step, list(plan.mesh.devices.flat), plan.schedule.name)
+        name = plan.schedule.name
+        if name not in pipeline.SCHEDULED:
+            name += " with pipeline.backward=scheduled"
+        return _DivergingStep(step, list(plan.mesh.devices.flat), name)
 
     return Trainer(
         cfg=cfg,
