@@ -551,7 +551,7 @@ def test_scheduled_pipelines_move_only_what_a_stage_sent(scheduled_dry_runs):
                            ("interleaved_zb", lambda m: Ticks(S, m, 2, True))):  # fmt: skip
         for m in (8, 16):
             ticks, pp = ticks_of(m), scheduled_dry_runs[name, m]["pipeline"]
-            busy = 0
+            busy, both = 0, collections.Counter()
             for forward in (True, False):
                 sets, index = ticks.moves(forward)
                 assert len(index) == ticks.total and len(set(sets)) == len(sets)
@@ -560,8 +560,14 @@ def test_scheduled_pipelines_move_only_what_a_stage_sent(scheduled_dry_runs):
                 sent = collections.Counter(a for i in index for a, _ in sets[i])
                 last = S - 1 if forward else 0
                 assert all(sent[s] == ticks.repeats * m - (s == last) * m for s in range(S))
+                both += sent
             assert busy < 2 * ticks.total
             assert pp["collective_permute_bytes"] == busy * one_microbatch
+            # the busiest stage's devices: its own sends only (2 R M chunks in the middle of the pipe)
+            assert pp["collective_permute_bytes_busiest"] == max(both.values()) * one_microbatch
+            assert max(both.values()) == 2 * ticks.repeats * m
+            lockstep = scheduled_dry_runs["gpipe", m]["pipeline"]  # every stage sends every tick
+            assert lockstep["collective_permute_bytes_busiest"] == lockstep["collective_permute_bytes"] > 0
             assert pp["ticks_counted"] == {"forward": ticks.total, "backward": ticks.total}
 
 

@@ -9,7 +9,8 @@ step time.
 `tpu`: the TPU compiler's step (libtpu through jax.experimental.topologies) for gpipe (both ways), 1f1b,
 interleaved_1f1b (repeats 2), zb_h1 and interleaved_zb (repeats 2; `--set pipeline.repeats=R` for another) at M = 8, 16, 32 microbatches of a fixed size (`--rows` sequences per
 microbatch, so the global batch is M x rows): per-chip peak and temporaries, the bubble analytic
-and counted, microbatch chunks in flight, and bytes sent over `stage`. Memory flat in M is the
+and counted, microbatch chunks in flight, and bytes sent over `stage` (per chip, a scheduled move
+counted as every chip sending; and the moves of the busiest stage's chips). Memory flat in M is the
 claim: GPipe keeps every microbatch's saved activations until its backward, 1F1B at most S,
 interleaved 1F1B 2 R S - 1 chunks (ZB-H1 at most S + 3, and S microbatches' weight-pass inputs
 besides; interleaved zero-bubble S chunks' of them).
@@ -66,8 +67,9 @@ def tpu(args) -> None:
     devices = topology.devices(args.topology)
     print(f"{args.config} on {args.topology} ({len(devices)} chips), mesh {args.mesh}, {args.rules}, "
           f"{args.rows} sequences per microbatch, remat {args.remat}")  # fmt: skip
-    print("| schedule | M | peak | temporaries | bubble analytic | bubble counted | in flight | over stage |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| schedule | M | peak | temporaries | bubble analytic | bubble counted | in flight | over stage "
+          "| moves, busiest stage |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, extra in SCHEDULES:
         if args.schedules and name not in args.schedules:
             continue
@@ -79,7 +81,7 @@ def tpu(args) -> None:
                 r = dry_run(setup)
             except DoesNotFit as e:
                 print(
-                    f"| {name} | {m} | does not fit: {str(e).splitlines()[0][:120]} | | | | | |", flush=True
+                    f"| {name} | {m} | does not fit: {str(e).splitlines()[0][:120]} | | | | | | |", flush=True
                 )
                 continue
             pp, mem = r["pipeline"], r["per_device_bytes"]
@@ -87,7 +89,8 @@ def tpu(args) -> None:
             print(
                 f"| {label} | {m} | {fmt_bytes(mem['peak'])} | {fmt_bytes(mem['temporaries'])} | "
                 f"{pp['bubble_fraction']:.1%} | {pp['bubble_counted']:.1%} | {pp['in_flight']} | "
-                f"{fmt_bytes(pp['collective_permute_bytes'] + pp['other_stage_bytes'])} |",
+                f"{fmt_bytes(pp['collective_permute_bytes'] + pp['other_stage_bytes'])} | "
+                f"{fmt_bytes(pp['collective_permute_bytes_busiest'])} |",
                 flush=True,
             )
 

@@ -59,21 +59,27 @@ def pipeline_report(plan, rows, items) -> dict | None:
     it, one conditional per direction over the table's sets of pairs (`scheduled.Ticks.moves`),
     each set's permute counted at its share of the ticks: their ticks are the loop's trips, any
     move's count over its set's share; 2 R M (F and a whole backward) or 3 R M (F, B and W) of
-    each stage's slots work."""
+    each stage's slots work. Bytes: the permutes' per device as the collectives table counts them
+    (a scheduled move's execution as if every device sent), and the moves' of the busiest stage,
+    each scheduled move counted only on the stages that send in it (`Ticks.move_senders`)."""
     schedule = plan.schedule
     if schedule is None:
         return None
     shares = schedule.ticks.branch_shares if schedule.scheduled else {}
+    senders = schedule.ticks.move_senders if schedule.scheduled else {}
     ticks = {"forward": 0, "backward": 0}
+    sent_by_stage = [0.0] * schedule.stages  # what each stage's devices send between stages
     for c in items:
         if c.kind == "collective-permute" and set(c.axes) <= set(schedule.axes) and "ppermute" in c.op_name:
             backward = "transpose(" in c.op_name or scheduled.BACKWARD_SCOPE in c.op_name
             way = "backward" if backward else "forward"
-            share = next((x for scope, x in shares.items() if f"/{scope}/" in f"/{c.op_name}/"), None)
-            if share:  # a move of a scheduled pipeline: the tick loop's trips
-                ticks[way] = max(ticks[way], round(c.count / share))
+            scope = next((scope for scope in shares if f"/{scope}/" in f"/{c.op_name}/"), None)
+            if scope in senders:  # a move of a scheduled pipeline: the tick loop's trips
+                ticks[way] = max(ticks[way], round(c.count / shares[scope]))
             else:
                 ticks[way] += c.count
+            for s in senders.get(scope, range(schedule.stages)):  # the lockstep loop: every stage
+                sent_by_stage[s] += c.bytes * c.count
     per_pass = max(ticks.values())
     work = schedule.repeats * schedule.microbatches
     if schedule.scheduled:  # one pass slot per stage and tick
@@ -103,7 +109,12 @@ def pipeline_report(plan, rows, items) -> dict | None:
         "ticks_counted": ticks,
         "bubble_counted": bubble,
         "in_flight": schedule.in_flight,
+        # per device, a scheduled move counted as every device sending (the permute's result
+        # bytes per execution, as the collectives table counts it)
         "collective_permute_bytes": permute,
+        # what each device of the busiest stage sends by the moves: a scheduled move counted only
+        # on the stages in its set of pairs
+        "collective_permute_bytes_busiest": max(sent_by_stage),
         "other_stage_bytes": other,
     }
 

@@ -141,7 +141,8 @@ def print_report(r: dict) -> None:
             )
             + f"\n  microbatch chunks in flight per stage: at most {pp['in_flight']}\n"
             f"  sent to the next stage (collective-permutes): {fmt_bytes(pp['collective_permute_bytes'])} "
-            f"per device; other collectives over stage: {fmt_bytes(pp['other_stage_bytes'])}\n"
+            f"per device ({fmt_bytes(pp['collective_permute_bytes_busiest'])} by each device of the busiest "
+            f"stage); other collectives over stage: {fmt_bytes(pp['other_stage_bytes'])}\n"
         )
     bs = r.get("between_slices")
     if bs:

@@ -146,9 +146,10 @@ class Schedule:
         """Whether the backward runs inside the schedule (spmd/parallel/scheduled.py)."""
         return self.name in SCHEDULED or not self.lockstep
 
-    @property
+    @functools.cached_property
     def ticks(self) -> "scheduled.Ticks":
-        """The tick plan of a scheduled backward."""
+        """The tick plan of a scheduled backward (kept: its moves and branch shares are computed
+        once)."""
         fill = self.name not in SCHEDULED
         return scheduled.Ticks(self.stages, self.microbatches, self.repeats, split=self.split, fill=fill)
 

@@ -32,6 +32,7 @@ microbatch, T sequence, D embed.
 
 import contextlib
 import dataclasses
+import functools
 import types
 from typing import NamedTuple
 
@@ -99,6 +100,7 @@ class Ticks:
         forward and their backward (or weight pass)."""
         return self.table.residual_slots
 
+    @functools.cached_property
     def _branch_table(self) -> np.ndarray:
         """(S, T): the index in BRANCHES of the branch stage s runs at tick t."""
         tab, S, R = self.table, self.stages, self.repeats
@@ -119,20 +121,27 @@ class Ticks:
     def branch_names(self) -> tuple[str, ...]:
         """The branches of the tick's switch: those of BRANCHES the table uses, in its order (idle
         last)."""
-        used = set(self._branch_table().ravel().tolist())
+        used = set(self._branch_table.ravel().tolist())
         return tuple(name for i, name in enumerate(BRANCHES) if i in used)
 
     def branches(self) -> np.ndarray:
         """(S, T): the index in `branch_names` of the branch stage s runs at tick t."""
         names = self.branch_names()
         index = np.asarray([names.index(n) if n in names else -1 for n in BRANCHES], np.int32)
-        return index[self._branch_table()]
+        return index[self._branch_table]
 
     def moves(self, forward: bool) -> tuple[tuple[tuple[tuple[int, int], ...], ...], np.ndarray]:
         """The sets of (from, to) stage pairs that send in some tick, in the order of first use,
         and (T,) the index of each tick's set: forward, the stages whose F made a chunk's output
         for the next virtual stage; else those whose B (or whole backward) made a cotangent for
         the previous one. With R > 1 stage S - 1 sends on to stage 0, and stage 0 back to S - 1."""
+        return self._moves[forward]
+
+    @functools.cached_property
+    def _moves(self) -> dict[bool, tuple]:
+        return {forward: self._moves_of(forward) for forward in (True, False)}
+
+    def _moves_of(self, forward: bool):
         tab, S, R = self.table, self.stages, self.repeats
         virtual = tab.chunk * S + np.arange(S)[:, None]
         if forward:
@@ -148,7 +157,7 @@ class Ticks:
             index[t] = sets.index(pairs)
         return tuple(sets), index
 
-    @property
+    @functools.cached_property
     def branch_shares(self) -> dict[str, float]:
         """{named scope: share of the ticks that run it} for each branch with work in it of the
         tick's conditionals, which a count of the compiled step must weigh (`hlo.matmul_flops`,
@@ -162,6 +171,18 @@ class Ticks:
             sets, index = self.moves(forward)
             shares = np.bincount(index, minlength=len(sets)) / len(index)
             out.update({f"{scope}_{i}": float(x) for i, (pairs, x) in enumerate(zip(sets, shares)) if pairs})
+        return out
+
+    @functools.cached_property
+    def move_senders(self) -> dict[str, frozenset[int]]:
+        """{named scope: the stages that send} of each move's set of pairs (`moves`), by the scope
+        `branch_shares` names it with."""
+        out = {}
+        for scope, forward in ((FORWARD_SCOPE, True), (BACKWARD_SCOPE, False)):
+            sets, _ = self.moves(forward)
+            out.update(
+                {f"{scope}_{i}": frozenset(a for a, _ in pairs) for i, pairs in enumerate(sets) if pairs}
+            )
         return out
 
 
