@@ -161,8 +161,8 @@ class Schedule:
 
     @property
     def iterations(self) -> int:
-        """Forward iterations (GPipe, circular), or the scheduled pipelines' ticks (each a pass of
-        every stage)."""
+        """The lockstep loop's forward iterations (GPipe, circular), or a scheduled backward's ticks
+        (each a pass of every stage)."""
         if self.scheduled:
             return self.ticks.total
         return self.forward_iterations
@@ -176,10 +176,10 @@ class Schedule:
     def bubble_fraction(self) -> float:
         """Share of each stage's pass slots spent idle, a forward, an input-gradient and a
         weight-gradient pass (of a chunk) costing alike: (S - 1) / (M R + S - 1) for the schedules
-        with whole backwards (GPipe and circular lockstep; 1F1B and interleaved 1F1B, whose stages
-        run one pass each per tick, F or a whole backward, in 2 (M R + S - 1) ticks), (S - 1) /
-        (3 M R + S - 1) for the zero-bubble ones (F, B or W each tick, in 3 M R + S - 1;
-        diverging.py)."""
+        with whole backwards (GPipe and circular, lockstep or scheduled; 1F1B and interleaved
+        1F1B, whose stages run one pass each per tick, F or a whole backward, in 2 (M R + S - 1)
+        ticks), (S - 1) / (3 M R + S - 1) for the zero-bubble ones (F, B or W each tick, in
+        3 M R + S - 1; diverging.py)."""
         S, M, R = self.stages, self.microbatches, self.repeats
         if self.split:
             return (S - 1) / (3 * M * R + S - 1)
@@ -192,9 +192,10 @@ class Schedule:
 
     @property
     def in_flight(self) -> int:
-        """Microbatch chunks whose saved activations a stage holds at once, at most: all R M under
-        autodiff of the forward loop (which saves them for every iteration, idle ones included:
-        M R + S - 1), the residual slots of scheduled.py otherwise."""
+        """Microbatch chunks whose saved activations a stage holds at once, at most: all under
+        autodiff of the lockstep loop (which saves them for every iteration, idle ones included:
+        M R + S - 1), the residual slots of scheduled.py otherwise (R M for GPipe's and circular's
+        fill-and-drain)."""
         if self.scheduled:
             return self.ticks.slots
         return self.iterations
