@@ -696,7 +696,7 @@ def test_interleaved_1f1b_computes_the_unpipelined_work_where_circular_computes_
         (["pipeline.schedule=1f1b", "train.objective=dpo"], "needs pipeline.schedule = gpipe or circular"),
         (
             ["pipeline.backward=scheduled", "train.objective=dpo"],
-            "gpipe with pipeline.backward = scheduled runs the language-model loss inside .* = auto or autodiff",
+            "gpipe with pipeline.backward=scheduled runs the language-model loss inside .* = auto or autodiff",
         ),
         (
             ["pipeline.schedule=zb_h1", "pipeline.backward=autodiff"],

@@ -142,6 +142,16 @@ class Schedule:
         return self.kind or ("circular" if self.repeats > 1 else "gpipe")
 
     @property
+    def setting(self) -> str:
+        """The configured schedule as a user writes it: its name, and for GPipe and circular with
+        their backward scheduled, that key too."""
+        return (
+            self.name
+            if self.lockstep or self.name in SCHEDULED
+            else f"{self.name} with pipeline.backward=scheduled"
+        )
+
+    @property
     def scheduled(self) -> bool:
         """Whether the backward runs inside the schedule (spmd/parallel/scheduled.py)."""
         return self.name in SCHEDULED or not self.lockstep

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.core.errors import UserError
 from spmd.core.family import Tail
-from spmd.parallel import context, dataparallel, memory, pipeline
+from spmd.parallel import context, dataparallel, memory
 from spmd.parallel import sharding as sharding_lib
 from spmd.parallel import slices as slices_lib
 from spmd.platform import cpu_matmul, distributed
@@ -513,11 +513,8 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     # A scheduled pipeline runs the loss inside its schedule (spmd/parallel/scheduled.py)
     in_schedule = plan.schedule is not None and plan.schedule.scheduled
     if in_schedule and objective != "lm":
-        name = plan.schedule.name
-        if name not in pipeline.SCHEDULED:
-            name += " with pipeline.backward = scheduled"
         raise UserError(
-            f"pipeline.schedule = {name} runs the language-model loss inside its schedule; "
+            f"pipeline.schedule = {plan.schedule.setting} runs the language-model loss inside its schedule; "
             f"train.objective = {objective} needs pipeline.schedule = gpipe or circular with "
             f"pipeline.backward = auto or autodiff (the lockstep loop)"
         )
@@ -595,10 +592,7 @@ def build_trainer(cfg, plan: sharding_lib.ShardingPlan, choices, partition=trans
     def runnable(step):
         if plan.schedule is None or not plan.schedule.scheduled:
             return step
-        name = plan.schedule.name
-        if name not in pipeline.SCHEDULED:
-            name += " with pipeline.backward=scheduled"
-        return _DivergingStep(step, list(plan.mesh.devices.flat), name)
+        return _DivergingStep(step, list(plan.mesh.devices.flat), plan.schedule.setting)
 
     return Trainer(
         cfg=cfg,
